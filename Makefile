@@ -1,0 +1,49 @@
+# tokenmill: `make demo` runs the main job on the bundled sample corpus, `make test` runs the tests.
+# Both install what they need into .venv first.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+export XLA_FLAGS ?=
+export PYTHONHASHSEED := 0
+
+.PHONY: install demo test test-slow test-all bench lint sample browser clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+demo: install
+	$(BIN)/tokenmill curate --recipe configs/curate/web.yaml --input 'data/sample/*' --output out/demo/curate
+
+# Headless Chromium for the page tests (Debian packages; needs root or sudo on a fresh machine).
+browser:
+	@bash scripts/install_browser.sh
+
+test: install browser
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-slow: install browser
+	$(BIN)/python -m pytest -m slow -q
+
+test-all: install browser
+	$(BIN)/python -m pytest -q
+
+bench: install
+	@for script in bench/*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
+
+lint: install
+	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/ruff format --check src tests bench scripts
+
+sample: install
+	$(BIN)/python scripts/make_sample_corpus.py --output data/sample
+
+clean:
+	rm -rf out runs site .pytest_cache

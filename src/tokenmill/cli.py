@@ -1,0 +1,67 @@
+"""The `tokenmill` command line: one subcommand per stage.
+
+Each stage's package owns its subcommands in a `commands` module with a `register(subparsers)` function.
+Registration only declares arguments; heavy imports (Beam, JAX) happen inside the handlers, so that
+`tokenmill --help` and small commands start quickly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from tokenmill import __version__
+
+# The order here is the order in `tokenmill --help`.
+COMMAND_MODULES = (
+    "tokenmill.pipelines.commands",
+    "tokenmill.filters.commands",
+    "tokenmill.tokenize.commands",
+    "tokenmill.mixtures.commands",
+    "tokenmill.trainer.commands",
+    "tokenmill.reports.commands",
+)
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: printed as one line, exit status 2, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill",
+        description="Raw text to a trained mixture-of-experts model: curate, tokenize, mix, train, report.",
+    )
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except UsageError as error:
+        print(f"tokenmill {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Per-document checks: normalization, language id, datatrove heuristic filters, classifiers."""

@@ -1,0 +1,1 @@
+"""Mixture specs: schema, planner, diff."""

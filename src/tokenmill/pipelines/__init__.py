@@ -1,0 +1,1 @@
+"""Apache Beam pipelines (curate, tokenize) and the runner options they share."""

@@ -1,0 +1,1 @@
+"""The public data-overview page and the run page."""

@@ -1,0 +1,1 @@
+"""Tokenizers, the token shard writer and reader, and the token-count catalog."""
