@@ -50,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if not args.verbose:
+        # Beam's local runner relays every worker's INFO lines; they drown the progress that matters.
+        for noisy in ("apache_beam", "absl", "jax._src"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        # ...and relays worker start-up warnings about features tokenmill does not use.
+        logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2

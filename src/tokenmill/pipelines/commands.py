@@ -1,9 +1,96 @@
-"""Subcommands of the pipelines stage (none yet)."""
+"""Subcommands of the Beam pipelines: `tokenmill curate`."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import time
+
+from tokenmill import storage
+from tokenmill.cli import UsageError
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add this stage's subcommands to the `tokenmill` parser."""
+    from tokenmill.pipelines.options import add_runner_arguments
+
+    parser = subparsers.add_parser(
+        "curate",
+        help="raw corpora -> curated Parquet cells, removed documents, rejected input, stats.json",
+        description=(
+            "Read raw corpora (JSON Lines, plain/.gz/.zst, or Parquet), normalize, run the recipe's "
+            "stages (language id, exact dedupe, datatrove heuristic filters, ...) and write "
+            "OUTPUT/curated/domain=<d>/quality=<q>/, OUTPUT/removed/stage=<s>/reason=<r>/, "
+            "OUTPUT/rejected/ and OUTPUT/stats.json. Reruns give identical output."
+        ),
+        epilog="example: tokenmill curate --recipe configs/curate/web.yaml --input 'raw/*.jsonl.zst' --output out/",
+    )
+    parser.add_argument("--recipe", required=True, help="curation recipe YAML (configs/curate/*.yaml)")
+    parser.add_argument("--input", required=True, action="append", metavar="PATH_OR_GLOB",
+                        help="input files: a path or glob, local or gs://...; repeatable")
+    parser.add_argument("--output", required=True, help="output folder, local or gs://...")
+    add_runner_arguments(parser)
+    parser.set_defaults(handler=run_curate)
+
+
+def expand_inputs(patterns: list[str]) -> list[str]:
+    """Every file the patterns name, in sorted order; a pattern that matches nothing is an error."""
+    files: list[str] = []
+    for pattern in patterns:
+        matches = storage.expand_glob(pattern)
+        if not matches:
+            is_folder = storage.is_local(pattern) and os.path.isdir(storage.local_path(pattern))
+            what = "is a folder; give a glob such as DIR/*.jsonl.zst" if is_folder else "matches no file"
+            raise UsageError(f"--input {pattern!r} {what}")
+        files.extend(matches)
+    return sorted(dict.fromkeys(files))
+
+
+def run_curate(args: argparse.Namespace) -> int:
+    from tokenmill.pipelines.curate import CurateRun, build_pipeline, clear_previous_output
+    from tokenmill.pipelines.options import make_pipeline
+    from tokenmill.pipelines.recipe import RecipeError, load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe)
+    except RecipeError as error:
+        raise UsageError(str(error)) from None
+    inputs = expand_inputs(args.input)
+    run = CurateRun(recipe=recipe, recipe_path=args.recipe, inputs=inputs, output=args.output)
+    log.info("curate: %d input files, recipe %s (%s), output %s, runner %s", len(inputs), recipe.name,
+             " -> ".join(recipe.stage_names()), args.output, args.runner)
+    pipeline = make_pipeline(args, "curate")
+    build_pipeline(pipeline, run)
+    if args.runner == "local":
+        clear_previous_output(args.output)
+    started = time.monotonic()
+    result = pipeline.run()
+    result.wait_until_finish()
+    elapsed = time.monotonic() - started
+    if args.runner != "local":
+        log.info("submitted; state %s", result.state)
+        return 0
+    stats = storage.read_json(storage.join(args.output, "stats.json"))
+    print(summary(stats, elapsed))
+    if not stats["balanced"]:
+        print("ERROR: documents read != kept + removed + rejected; see stats.json")
+        return 1
+    return 0
+
+
+def summary(stats: dict, elapsed: float) -> str:
+    read = stats["read"]["documents"]
+    lines = [
+        f"curate done in {elapsed:.1f}s: {read:,} documents read ({read / max(elapsed, 1e-9):,.0f}/s), "
+        f"{stats['kept']['documents']:,} kept, {stats['removed']['documents']:,} removed, "
+        f"{stats['rejected']['documents']:,} rejected; balanced: {stats['balanced']}",
+        f"  kept: {stats['kept']['characters']:,} characters, ~{stats['kept']['tokens_estimated']:,} tokens "
+        f"in {len(stats['cells'])} cells",
+    ]
+    for key, entry in stats["removed_by_reason"].items():
+        lines.append(f"  removed {key}: {entry['documents']:,}")
+    for kind, entry in stats["rejected_by_error"].items():
+        lines.append(f"  rejected {kind}: {entry['documents']:,}")
+    return "\n".join(lines)

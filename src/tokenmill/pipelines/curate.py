@@ -1,0 +1,385 @@
+"""`tokenmill curate`: raw corpora in, curated Parquet cells, removed documents, rejected input and stats out.
+
+The pipeline reads as its list of steps:
+
+    read files -> normalize -> (recipe stages, in order: language, exact_dedupe, heuristic filters, ...)
+               -> default cell (the seam where the domain and quality classifiers go) -> write
+
+Every document read ends in exactly one place: curated/ (kept), removed/stage=<s>/reason=<r>/ (with
+why), or rejected/ (input that is not a document). stats.json counts what was read independently of
+where it went, so `balanced` proves the invariant rather than restating it.
+
+Output is a function of the input and the recipe alone: files are sharded by a stable hash of the
+document id and sorted within, so reruns give the same bytes. A rerun first removes the previous
+output of this command (curated/, removed/, rejected/, stats.json) and writes stats.json last, so a
+killed run, run again, ends exactly like a run that was never stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import apache_beam as beam
+
+from tokenmill import storage
+from tokenmill.cells import cell_name
+from tokenmill.filters.base import DocumentStep
+from tokenmill.pipelines.readers import InputFields, read_file
+from tokenmill.pipelines.recipe import Recipe, build_steps
+from tokenmill.pipelines.sinks import (
+    DOCUMENT_SCHEMA,
+    REMOVED_SCHEMA,
+    WritePartitioned,
+    write_jsonl_zst,
+    write_parquet,
+)
+
+log = logging.getLogger(__name__)
+
+OUTPUT_PARTS = ("curated", "removed", "rejected", "stats.json")
+STATS_FORMAT_VERSION = 1
+_PATH_UNSAFE = str.maketrans({c: "_" for c in "/\\=:*?\"<>| "})
+
+
+def text_hash(text: str) -> str:
+    """The 128-bit exact-duplicate key of a normalized text."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def estimated_tokens(n_chars: int | None, chars_per_token: float) -> int:
+    return int((n_chars or 0) // chars_per_token)
+
+
+class Progress:
+    """A periodic progress line from each worker process (Beam counters carry the totals on Dataflow)."""
+
+    def __init__(self, label: str, every_seconds: float = 10.0):
+        self.label = label
+        self.every_seconds = every_seconds
+        self.count = 0
+        self.started = time.monotonic()
+        self.last = self.started
+
+    def add(self, count: int) -> None:
+        self.count += count
+        now = time.monotonic()
+        if now - self.last >= self.every_seconds:
+            self.last = now
+            rate = self.count / max(now - self.started, 1e-9)
+            print(f"[curate pid {os.getpid()}] {self.label}: {self.count:,} ({rate:,.0f}/s)", file=sys.stderr,
+                  flush=True)
+
+
+class ReadFile(beam.DoFn):
+    """One input file -> documents (main output) and rejected records ('rejected')."""
+
+    def __init__(self, fields: InputFields):
+        self.fields = fields
+        self.read_counter = beam.metrics.Metrics.counter("tokenmill", "documents_read")
+        self.rejected_counter = beam.metrics.Metrics.counter("tokenmill", "documents_rejected")
+
+    def setup(self):
+        self.progress = Progress("records read")
+
+    def process(self, path: str):
+        for record in read_file(path, self.fields):
+            self.read_counter.inc()
+            self.progress.add(1)
+            if record.pop("kind") == "rejected":
+                self.rejected_counter.inc()
+                yield beam.pvalue.TaggedOutput("rejected", record)
+            else:
+                yield record
+
+
+class ApplyStep(beam.DoFn):
+    """Runs one DocumentStep over batches: survivors go on as a batch, removed documents to 'removed'."""
+
+    def __init__(self, step: DocumentStep):
+        self.step = step
+        self.kept_counter = beam.metrics.Metrics.counter("tokenmill", f"{step.stage}.kept")
+        self.removed_counter = beam.metrics.Metrics.counter("tokenmill", f"{step.stage}.removed")
+
+    def setup(self):
+        self.step.setup()
+
+    def process(self, batch: list[dict]):
+        verdicts = self.step.apply(batch)
+        kept = []
+        for document, removal in zip(batch, verdicts, strict=True):
+            if removal is None:
+                kept.append(document)
+                continue
+            self.removed_counter.inc()
+            yield beam.pvalue.TaggedOutput("removed", {
+                **document, "stage": self.step.stage, "reason": removal.reason,
+                "detail": json.dumps(removal.detail, sort_keys=True, default=str)})
+        self.kept_counter.inc(len(kept))
+        if kept:
+            yield kept
+
+
+def _keep_first_copy(element: tuple[str, Iterable[dict]]):
+    """Of documents with the same text, keep the one with the smallest id (any order of arrival)."""
+    _, copies = element
+    copies = sorted(copies, key=lambda document: document["id"])
+    kept = copies[0]
+    yield kept
+    for copy in copies[1:]:
+        yield beam.pvalue.TaggedOutput("removed", {
+            **copy, "stage": "exact_dedupe", "reason": "exact_duplicate",
+            "detail": json.dumps({"kept_id": kept["id"]}, sort_keys=True)})
+
+
+class ExactDedupe(beam.PTransform):
+    """Group documents by a 128-bit hash of their normalized text; keep one copy per group."""
+
+    def expand(self, documents):
+        return (
+            documents
+            | "KeyByTextHash" >> beam.Map(lambda document: (text_hash(document["text"]), document))
+            | "GroupByText" >> beam.GroupByKey()
+            | "KeepFirstCopy" >> beam.FlatMap(_keep_first_copy).with_outputs("removed", main="kept")
+        )
+
+
+def _fill_cell(document: dict, domain: str, quality: int) -> dict:
+    document.setdefault("domain", domain)
+    document.setdefault("quality", quality)
+    return document
+
+
+def _row(document: dict, schema) -> dict:
+    return {name: document.get(name) for name in schema.names}
+
+
+def _safe(part: str) -> str:
+    return str(part).translate(_PATH_UNSAFE) or "unknown"
+
+
+def _stat_entries(record: dict, outcome: str, chars_per_token: float):
+    """(key, (documents, characters, estimated tokens)) for the stats combiner."""
+    if outcome == "rejected":
+        yield ("rejected", record["error_kind"], record["source"]), (1, 0, 0)
+        return
+    n_chars = record.get("n_chars") or 0
+    counts = (1, n_chars, estimated_tokens(n_chars, chars_per_token))
+    if outcome == "kept":
+        yield ("kept", cell_name(record["domain"], int(record["quality"])), record["source"]), counts
+    else:
+        yield ("removed", f"{record['stage']}/{record['reason']}", record["source"]), counts
+
+
+def _read_entries(document: dict, chars_per_token: float):
+    n_chars = len(document["text"])
+    yield ("read", "", document["source"]), (1, n_chars, estimated_tokens(n_chars, chars_per_token))
+
+
+def _sum_triples(values: Iterable[tuple[int, int, int]]) -> tuple[int, int, int]:
+    documents = characters = tokens = 0
+    for d, c, t in values:
+        documents += d
+        characters += c
+        tokens += t
+    return documents, characters, tokens
+
+
+@dataclass
+class CurateRun:
+    recipe: Recipe
+    recipe_path: str
+    inputs: list[str]
+    output: str
+
+
+def build_stats(entries: list, run: CurateRun) -> dict:
+    """stats.json from the combined counts (docs/formats.md, "stats.json")."""
+    def triple(documents=0, characters=0, tokens=0):
+        return {"documents": documents, "characters": characters, "tokens_estimated": tokens}
+
+    read = [0, 0, 0]
+    kept = [0, 0, 0]
+    removed = [0, 0, 0]
+    removed_by_reason: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    rejected_by_error: dict[str, int] = defaultdict(int)
+    cells: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    sources: dict[str, dict[str, int]] = defaultdict(lambda: {"read": 0, "kept": 0, "removed": 0, "rejected": 0})
+    for (outcome, detail, source), counts in entries:
+        if outcome == "read":
+            _add(read, counts)
+            sources[source]["read"] += counts[0]
+        elif outcome == "kept":
+            _add(kept, counts)
+            _add(cells[detail], counts)
+            sources[source]["kept"] += counts[0]
+        elif outcome == "removed":
+            _add(removed, counts)
+            _add(removed_by_reason[detail], counts)
+            sources[source]["removed"] += counts[0]
+        else:
+            rejected_by_error[detail] += counts[0]
+            sources[source]["rejected"] += counts[0]
+    rejected_total = sum(rejected_by_error.values())
+    # Documents are counted as the reader emits them, apart from where they end up; a rejected record
+    # never becomes a document, so it counts once, as read and as rejected.
+    read_documents = read[0] + rejected_total
+
+    funnel = [{"stage": "read", **triple(read_documents, read[1], read[2])}]
+    stage_names = run.recipe.stage_names()
+    by_stage: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for key, counts in removed_by_reason.items():
+        _add(by_stage[key.split("/", 1)[0]], counts)
+    # What is left after stage i is what was kept plus what later stages removed.
+    for position, stage in enumerate(stage_names):
+        left = list(kept)
+        for later in stage_names[position + 1:]:
+            _add(left, by_stage[later])
+        funnel.append({"stage": stage, "removed_documents": by_stage[stage][0], **triple(*left)})
+    return {
+        "format_version": STATS_FORMAT_VERSION,
+        "recipe": run.recipe_path,
+        "recipe_name": run.recipe.name,
+        "inputs": run.inputs,
+        "chars_per_token": run.recipe.chars_per_token,
+        "read": triple(read_documents, read[1], read[2]),
+        "kept": triple(*kept),
+        "removed": triple(*removed),
+        "rejected": {"documents": rejected_total},
+        "balanced": read_documents == kept[0] + removed[0] + rejected_total,
+        "funnel": funnel,
+        "removed_by_reason": {
+            key: {"stage": key.split("/", 1)[0], "reason": key.split("/", 1)[1], **triple(*counts)}
+            for key, counts in sorted(removed_by_reason.items())
+        },
+        "rejected_by_error": {kind: {"documents": count} for kind, count in sorted(rejected_by_error.items())},
+        "cells": {cell: triple(*counts) for cell, counts in sorted(cells.items())},
+        "sources": dict(sorted(sources.items())),
+    }
+
+
+def _add(total: list[int], counts) -> None:
+    for index, value in enumerate(counts):
+        total[index] += value
+
+
+class WriteStats(beam.DoFn):
+    def __init__(self, run: CurateRun):
+        self.run = run
+
+    def process(self, entries):
+        stats = build_stats(sorted(entries), self.run)
+        storage.write_json(storage.join(self.run.output, "stats.json"), stats)
+        yield stats
+
+
+def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
+    """Add the curate transforms to `pipeline`."""
+    recipe = run.recipe
+    chars_per_token = recipe.chars_per_token
+    steps = build_steps(recipe, run.recipe_path)
+
+    read = (
+        pipeline
+        | "Inputs" >> beam.Create(run.inputs)
+        | "SpreadFiles" >> beam.Reshuffle()
+        | "Read" >> beam.ParDo(ReadFile(recipe.input_fields)).with_outputs("rejected", main="documents")
+    )
+    documents = read.documents | "SpreadDocuments" >> beam.Reshuffle()
+    read_stats = documents | "CountRead" >> beam.FlatMap(_read_entries, chars_per_token)
+
+    removed_parts = []
+    batches = documents | "Batch0" >> beam.BatchElements(min_batch_size=recipe.batch_size,
+                                                         max_batch_size=recipe.batch_size)
+    for position, step in enumerate(steps):
+        if isinstance(step, str):  # a grouping stage: unbatch, group, batch again
+            assert step == "exact_dedupe"
+            unbatched = batches | f"Unbatch{position}" >> beam.FlatMap(lambda batch: batch)
+            result = unbatched | "ExactDedupe" >> ExactDedupe()
+            removed_parts.append(result.removed)
+            batches = result.kept | f"Batch{position}" >> beam.BatchElements(
+                min_batch_size=recipe.batch_size, max_batch_size=recipe.batch_size)
+            continue
+        result = batches | f"Step{position}_{step.stage}" >> beam.ParDo(ApplyStep(step)).with_outputs(
+            "removed", main="kept")
+        removed_parts.append(result.removed)
+        batches = result.kept
+
+    cell = recipe.default_cell
+    kept = (
+        batches
+        | "Unbatch" >> beam.FlatMap(lambda batch: batch)
+        # The seam for the domain and quality classifiers: documents they did not place get the default.
+        | "DefaultCell" >> beam.Map(_fill_cell, cell.domain, cell.quality)
+    )
+    removed = tuple(removed_parts) | "AllRemoved" >> beam.Flatten()
+    rejected = read.rejected
+
+    target = recipe.target_file_bytes
+    doc_bytes = lambda document: len(document.get("text") or "") + 64  # noqa: E731
+    (
+        kept
+        | "KeyByCell" >> beam.Map(lambda d: (cell_name(d["domain"], int(d["quality"])), _row(d, DOCUMENT_SCHEMA)))
+        | "WriteCurated" >> WritePartitioned(
+            storage.join(run.output, "curated"), ".parquet",
+            lambda path, rows: write_parquet(path, rows, DOCUMENT_SCHEMA),
+            lambda row: row["id"], doc_bytes, target)
+    )
+    (
+        removed
+        | "KeyByReason" >> beam.Map(lambda d: (f"stage={_safe(d['stage'])}/reason={_safe(d['reason'])}",
+                                               _row(d, REMOVED_SCHEMA)))
+        | "WriteRemoved" >> WritePartitioned(
+            storage.join(run.output, "removed"), ".parquet",
+            lambda path, rows: write_parquet(path, rows, REMOVED_SCHEMA),
+            lambda row: row["id"], doc_bytes, target)
+    )
+    (
+        rejected
+        | "KeyRejected" >> beam.Map(lambda r: ("", {k: v for k, v in r.items() if k != "source"}))
+        | "WriteRejected" >> WritePartitioned(
+            storage.join(run.output, "rejected"), ".jsonl.zst", write_jsonl_zst,
+            lambda r: f"{r['file']}\x00{r['line'] or 0:012d}\x00{r['offset'] or 0:015d}",
+            lambda r: len(r.get("raw") or r.get("raw_base64") or "") + 256, target)
+    )
+
+    outcome_stats = (
+        (kept | "KeptStats" >> beam.FlatMap(_stat_entries, "kept", chars_per_token)),
+        (removed | "RemovedStats" >> beam.FlatMap(_stat_entries, "removed", chars_per_token)),
+        (rejected | "RejectedStats" >> beam.FlatMap(_stat_entries, "rejected", chars_per_token)),
+        read_stats,
+    ) | "AllStats" >> beam.Flatten()
+    (
+        outcome_stats
+        | "SumStats" >> beam.CombinePerKey(_sum_triples)
+        | "StatsList" >> beam.combiners.ToList()
+        | "WriteStats" >> beam.ParDo(WriteStats(run))
+    )
+
+
+def clear_previous_output(output: str) -> None:
+    """Remove what an earlier curate run wrote here (and nothing else), stats.json first."""
+    if not storage.is_local(output):
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(output)
+        for part in ("stats.json", *OUTPUT_PARTS[:3]):
+            target = f"{root.rstrip('/')}/{part}"
+            if fs.exists(target):
+                fs.rm(target, recursive=True)
+        return
+    root = storage.local_path(output)
+    stats = os.path.join(root, "stats.json")
+    if os.path.exists(stats):
+        os.remove(stats)
+    for part in OUTPUT_PARTS[:3]:
+        shutil.rmtree(os.path.join(root, part), ignore_errors=True)
+    storage.remove_temporaries(root)

@@ -1,0 +1,149 @@
+"""Curation recipes: the YAML under configs/curate/ that chooses the stages and their thresholds.
+
+```yaml
+name: web
+fields: {text: text, id: id, url: url}
+chars_per_token: 4.0
+target_file_bytes: 256M
+default_cell: {domain: web, quality: 0}
+normalize: {max_chars: 1_000_000}
+stages:
+  - language: {languages: [en], min_score: 0.5}
+  - exact_dedupe: {}
+  - gopher_repetition: {}
+  - gopher_quality: {min_doc_words: 50}
+```
+
+`stages` run in the order written, after normalization; each entry names one stage kind and its
+parameters. Heuristic filters take datatrove's own parameter names. An unknown stage or parameter is
+an error that names the recipe file and the stage's position.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tokenmill.filters.base import DocumentStep
+from tokenmill.filters.heuristics import FILTER_CLASSES, HeuristicFilter, datatrove_filter_class
+from tokenmill.filters.language import LanguageFilter
+from tokenmill.filters.normalize import Normalize
+from tokenmill.pipelines.readers import InputFields
+from tokenmill.units import parse_count
+
+#: Stages that group documents across inputs, and so are Beam transforms rather than DocumentSteps.
+GROUPING_STAGES = ("exact_dedupe",)
+DOCUMENT_STAGES = ("language", *FILTER_CLASSES)
+STAGE_KINDS = (*DOCUMENT_STAGES, *GROUPING_STAGES)
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the file and the field."""
+
+
+class Fields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str = "text"
+    id: str | None = "id"
+    url: str | None = "url"
+
+
+class DefaultCell(BaseModel):
+    """The cell of documents that no classifier has placed (the seam the classifier stages fill)."""
+
+    model_config = ConfigDict(extra="forbid")
+    domain: str = "web"
+    quality: int = Field(0, ge=0, le=4)
+
+
+class NormalizeParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_chars: int = Field(1_000_000, gt=0)
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    fields: Fields = Fields()
+    chars_per_token: float = Field(4.0, gt=0)
+    target_file_bytes: int = 256 * 10**6
+    batch_size: int = Field(256, gt=0)
+    default_cell: DefaultCell = DefaultCell()
+    normalize: NormalizeParams = NormalizeParams()
+    stages: list[dict[str, dict[str, Any] | None]] = []
+
+    @field_validator("target_file_bytes", mode="before")
+    @classmethod
+    def _parse_bytes(cls, value: Any) -> int:
+        return parse_count(value)
+
+    @field_validator("stages")
+    @classmethod
+    def _check_stages(cls, stages: list[dict]) -> list[dict]:
+        for position, stage in enumerate(stages):
+            if len(stage) != 1:
+                raise ValueError(f"stages[{position}]: one stage kind per entry, got {sorted(stage)}")
+            kind = next(iter(stage))
+            if kind not in STAGE_KINDS:
+                raise ValueError(f"stages[{position}]: unknown stage {kind!r}; known: {', '.join(STAGE_KINDS)}")
+        return stages
+
+    @property
+    def input_fields(self) -> InputFields:
+        return InputFields(text=self.fields.text, id=self.fields.id, url=self.fields.url)
+
+    def stage_list(self) -> list[tuple[str, dict]]:
+        return [(kind, dict(params or {})) for stage in self.stages for kind, params in stage.items()]
+
+    def stage_names(self) -> list[str]:
+        """Stage names in the order documents meet them (removed/stage=<name>)."""
+        return ["normalize", *[kind for kind, _ in self.stage_list()]]
+
+
+def build_step(kind: str, params: dict, where: str) -> DocumentStep | str:
+    """The DocumentStep for a per-document stage, or the kind itself for a grouping stage."""
+    try:
+        if kind in GROUPING_STAGES:
+            if params:
+                raise TypeError(f"{kind} takes no parameters, got {sorted(params)}")
+            return kind
+        if kind == "language":
+            return LanguageFilter(**params)
+        language = params.pop("language", "en")
+        shared_words = params.pop("shared_words", True)
+        step = HeuristicFilter(kind, params, language=language, shared_words=shared_words)
+        datatrove_filter_class(kind)(**params)  # datatrove checks its own parameter names here
+        return step
+    except TypeError as error:
+        raise RecipeError(f"{where}: bad parameters for {kind}: {error}") from None
+
+
+def build_steps(recipe: Recipe, source: str = "recipe") -> list[DocumentStep | str]:
+    steps: list[DocumentStep | str] = [Normalize(max_chars=recipe.normalize.max_chars)]
+    for position, (kind, params) in enumerate(recipe.stage_list()):
+        steps.append(build_step(kind, params, f"{source}: stages[{position}]"))
+    return steps
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise RecipeError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping with at least `name`")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in item['loc']) or '(top)'}: {item['msg']}" for item in error.errors()
+        )
+        raise RecipeError(f"{path}: {problems}") from None
+    build_steps(recipe, str(path))  # parameter errors surface now, before any pipeline starts
+    return recipe

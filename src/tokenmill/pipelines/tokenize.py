@@ -1,0 +1,282 @@
+"""The tokenize pipeline: curated Parquet cells to token shards, manifests and tokens/counts.json.
+
+Beam elements are shard tasks, one per curated Parquet file: the n-th file (sorted) of a cell becomes that
+cell's part-<n> shard. A DoFn loads the tokenizer once per worker (setup), keeps a shard that is complete
+and verified, or else tokenizes the file in batches with `encode_batch` and streams the ids to disk
+(tokenmill.tokenize.writer). The done markers then flow to a per-cell step that writes manifest.json, and
+from there to one step that writes counts.json, so the catalog appears only once every shard is in place.
+
+The same graph runs on Beam's local FnApiRunner (one SDK worker process per core) and on Dataflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+
+from tokenmill import storage
+from tokenmill.cells import parse_cell
+from tokenmill.tokenize.shards import COUNTS, DTYPES, INDEX_DTYPE, MANIFEST
+from tokenmill.tokenize.tokenizer import TokenizerInfo, read_tokenizer_bytes, sha256_bytes, tokenizer_from_bytes
+from tokenmill.tokenize.writer import (
+    DEFAULT_BATCH_DOCUMENTS,
+    DONE_SUFFIX,
+    ShardTask,
+    process_shard,
+    read_marker,
+    write_counts,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+METRICS_NAMESPACE = "tokenmill.tokenize"
+
+
+class InputError(ValueError):
+    """Curated input that cannot be tokenized as asked (no cells, a misnamed cell folder)."""
+
+
+def discover_tasks(curated: str) -> list[ShardTask]:
+    """One task per curated Parquet file, numbered per cell in sorted file order."""
+    files = storage.expand_glob(storage.join(curated, "domain=*", "quality=*", "*.parquet"))
+    by_cell: dict[str, list[str]] = defaultdict(list)
+    for path in files:
+        name = os.path.basename(path)
+        if name.startswith(storage.TEMPORARY_PREFIX):
+            continue  # a curate writer's unfinished file
+        parts = path.replace("\\", "/").rstrip("/").split("/")
+        cell = f"{parts[-3]}/{parts[-2]}"
+        try:
+            parse_cell(cell)
+        except ValueError as error:
+            raise InputError(f"{path}: {error}") from error
+        by_cell[cell].append(path)
+    return [
+        ShardTask(cell=cell, index=index, source=path)
+        for cell in sorted(by_cell)
+        for index, path in enumerate(sorted(by_cell[cell]))
+    ]
+
+
+class TokenizeShardFn(beam.DoFn):
+    """Tokenizes one shard task (or keeps its complete shard) and emits the shard's done marker."""
+
+    def __init__(self, output: str, tokenizer_path: str, info: TokenizerInfo, batch_documents: int) -> None:
+        self.output = output
+        self.tokenizer_path = tokenizer_path
+        self.info = info
+        self.batch_documents = batch_documents
+        self.written = Metrics.counter(METRICS_NAMESPACE, "shards_written")
+        self.kept = Metrics.counter(METRICS_NAMESPACE, "shards_kept")
+        self.documents = Metrics.counter(METRICS_NAMESPACE, "documents_written")
+        self.tokens = Metrics.counter(METRICS_NAMESPACE, "tokens_written")
+
+    def setup(self) -> None:
+        # Once per worker: loading a 128k-entry tokenizer.json takes a while.
+        data = read_tokenizer_bytes(self.tokenizer_path)
+        if sha256_bytes(data) != self.info.sha256:
+            # Shards must all come from the tokenizer the manifest will name.
+            raise RuntimeError(
+                f"{self.tokenizer_path}: changed while the job ran (sha256 {sha256_bytes(data)}, "
+                f"the job started with {self.info.sha256})"
+            )
+        self.tokenizer = tokenizer_from_bytes(data, self.tokenizer_path)
+
+    def process(self, task: ShardTask) -> Iterator[dict[str, Any]]:
+        def count(documents: int, tokens: int) -> None:
+            self.documents.inc(documents)
+            self.tokens.inc(tokens)
+
+        marker, written = process_shard(
+            task, self.output, self.tokenizer, self.info, self.batch_documents, on_batch=count
+        )
+        (self.written if written else self.kept).inc()
+        yield marker
+
+
+def _write_cell_manifest(
+    cell_markers: tuple[str, Iterable[dict[str, Any]]], output: str, info: TokenizerInfo, expected: dict[str, int]
+) -> dict[str, Any]:
+    cell, markers = cell_markers
+    markers = list(markers)
+    names = sorted(m["name"] for m in markers)
+    if len(set(names)) != expected[cell] or len(names) != expected[cell]:
+        raise RuntimeError(f"{cell}: {len(names)} shard results for {expected[cell]} source files ({names})")
+    return write_manifest(output, cell, markers, info)
+
+
+def build_pipeline(pipeline, tasks: list[ShardTask], output: str, tokenizer_path: str, info: TokenizerInfo,
+                   batch_documents: int) -> None:
+    """Add the tokenize steps to a Beam pipeline."""
+    expected: dict[str, int] = defaultdict(int)
+    for task in tasks:
+        expected[task.cell] += 1
+    dofn = TokenizeShardFn(output, tokenizer_path, info, batch_documents)
+    (
+        pipeline
+        | "ShardTasks" >> beam.Create(tasks, reshuffle=False)
+        # One shard per element on whichever worker is free: shards differ a lot in size.
+        | "Spread" >> beam.Reshuffle()
+        | "Tokenize" >> beam.ParDo(dofn)
+        | "ByCell" >> beam.Map(lambda marker: (marker["cell"], marker))
+        | "GroupCells" >> beam.GroupByKey()
+        | "WriteManifests" >> beam.Map(_write_cell_manifest, output, info, dict(expected))
+        | "AllCells" >> beam.combiners.ToList()
+        | "WriteCounts" >> beam.Map(lambda cells: write_counts(output, cells, info)["total_tokens"])
+    )
+
+
+class ProgressMonitor:
+    """Reports progress of a local run from what is on disk: done markers and growing temporary shards.
+
+    Beam's local workers are separate processes, so the driver reads progress from the output folder: a
+    finished shard's counts from its marker, a shard being written from its temporary files' sizes.
+    """
+
+    def __init__(self, output: str, tasks: list[ShardTask], dtype: str, every: float) -> None:
+        self.output = storage.local_path(output)
+        self.tasks = tasks
+        self.itemsize = DTYPES[dtype].itemsize
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tokenize-progress", daemon=True)
+        self._markers: dict[str, dict[str, Any]] = {}
+        self.start_time = time.monotonic()
+        self.baseline_tokens = self.snapshot()[2]
+
+    def snapshot(self) -> tuple[int, int, int]:
+        """(shards done, documents, tokens) on disk now, unfinished shards included."""
+        done = documents = tokens = 0
+        for task in self.tasks:
+            path = task.path(self.output, DONE_SUFFIX)
+            marker = self._markers.get(path)
+            if marker is None and os.path.exists(path):
+                marker = read_marker(path)
+                if marker is not None:
+                    self._markers[path] = marker
+            if marker is not None:
+                done += 1
+                documents += marker["documents"]
+                tokens += marker["tokens"]
+        for cell in sorted({t.cell for t in self.tasks}):
+            directory = os.path.join(self.output, cell)
+            try:
+                names = os.listdir(directory)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if not name.startswith(storage.TEMPORARY_PREFIX):
+                    continue
+                try:
+                    size = os.path.getsize(os.path.join(directory, name))
+                except FileNotFoundError:
+                    continue  # renamed into place since listdir
+                if name.endswith(".bin"):
+                    tokens += size // self.itemsize
+                elif name.endswith(".idx"):
+                    documents += size // INDEX_DTYPE.itemsize
+        return done, documents, tokens
+
+    def line(self) -> str:
+        done, documents, tokens = self.snapshot()
+        elapsed = max(time.monotonic() - self.start_time, 1e-9)
+        rate = (tokens - self.baseline_tokens) / elapsed
+        return (
+            f"tokenize: {done}/{len(self.tasks)} shards, {documents:,} documents, {tokens:,} tokens, "
+            f"{rate:,.0f} tokens/s"
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            log.info(self.line())
+
+    def __enter__(self) -> ProgressMonitor:
+        if self.every > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def _prepare_output(output: str, tasks: list[ShardTask]) -> None:
+    """Clear what a killed run may have left, and the catalog, which is rewritten only at the end."""
+    removed = storage.remove_temporaries(output)
+    if removed:
+        log.info("removed %d temporary files left by an earlier run", removed)
+    # Without counts.json and manifests, an unfinished run can never be mistaken for a finished one.
+    for path in [storage.join(output, COUNTS), *{storage.join(output, t.cell, MANIFEST) for t in tasks}]:
+        if storage.is_local(path) and os.path.exists(path):
+            os.remove(path)
+        elif not storage.is_local(path) and storage.exists(path):
+            import fsspec
+
+            fs, fs_path = fsspec.core.url_to_fs(path)
+            fs.rm(fs_path)
+    if storage.is_local(output):
+        _warn_stale(storage.local_path(output), tasks)
+
+
+def _warn_stale(output: str, tasks: list[ShardTask]) -> None:
+    expected = {(t.cell, t.name) for t in tasks}
+    cells = {t.cell for t in tasks}
+    for cell in sorted(cells):
+        directory = os.path.join(output, cell)
+        if not os.path.isdir(directory):
+            continue
+        stale = sorted(
+            name
+            for name in os.listdir(directory)
+            if name.startswith("part-") and (cell, name.split(".", 1)[0]) not in expected
+        )
+        if stale:
+            log.warning("%s: %d files from an earlier run with more source files are not part of this run "
+                        "(not in the manifest; delete them if unwanted): %s", directory, len(stale), stale[:4])
+
+
+def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerInfo) -> dict[str, Any]:
+    """Run the pipeline; returns a summary (cells, shards written and kept, totals, seconds)."""
+    from apache_beam.metrics.metric import MetricsFilter
+
+    from tokenmill.pipelines.options import make_pipeline
+
+    tasks = discover_tasks(args.input)
+    if not tasks:
+        raise InputError(f"no curated Parquet files under {args.input} (expected domain=<d>/quality=<q>/*.parquet)")
+    output = args.output
+    storage.make_dirs(output)
+    _prepare_output(output, tasks)
+    log.info("tokenize: %d shards in %d cells, tokenizer %s (%s, vocabulary %d, %s, end-of-text id %d)",
+             len(tasks), len({t.cell for t in tasks}), info.name, info.sha256[:12], info.vocab_size, info.dtype,
+             info.eos_id)
+    started = time.monotonic()
+    pipeline = make_pipeline(args, "tokenize")
+    build_pipeline(pipeline, tasks, output, tokenizer_path, info, args.batch_documents or DEFAULT_BATCH_DOCUMENTS)
+    monitor_every = args.progress_seconds if storage.is_local(output) and args.runner == "local" else 0
+    with ProgressMonitor(output, tasks, info.dtype, monitor_every):
+        result = pipeline.run()
+        result.wait_until_finish()
+    seconds = time.monotonic() - started
+    summary: dict[str, Any] = {"shards": len(tasks), "cells": len({t.cell for t in tasks}), "seconds": seconds}
+    try:
+        counters = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
+        for counter in counters:
+            summary[counter.key.metric.name] = summary.get(counter.key.metric.name, 0) + counter.committed
+    except Exception as error:  # metrics are a nicety; some runners do not report them
+        log.debug("no metrics from the runner: %s", error)
+    if not getattr(args, "dry_run", False):
+        counts = storage.read_json(storage.join(output, COUNTS))
+        summary["documents"] = counts["total_documents"]
+        summary["tokens"] = counts["total_tokens"]
+    return summary

@@ -1,0 +1,221 @@
+"""The run page's content: curves from runs/<name>/metrics.jsonl and a summary of its config.json.
+
+Metric keys are those fixed in docs/formats.md. Keys a run did not log (MFU on a CPU, router metrics in a
+dense model) give an empty chart rather than an error, so one page serves every kind of run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from tokenmill import storage
+from tokenmill.reports import svg
+from tokenmill.reports.inputs import InputError, read_json_file, read_metrics
+from tokenmill.units import format_count
+
+MAX_LAYER_SERIES = 8
+CONFIG_ROWS = 300
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _series(rows: list[dict[str, Any]], key: str, name: str = "", x_key: str = "step") -> svg.Series:
+    return svg.Series(name or key, [(float(r[x_key]), _number(r.get(key))) for r in rows if _number(r.get(x_key)) is not None])
+
+
+def phase_lines(rows: list[dict[str, Any]]) -> list[svg.VLine]:
+    """A marker at the first step of every phase after the first."""
+    lines = []
+    previous = rows[0].get("phase") if rows else None
+    for row in rows[1:]:
+        if row.get("phase") != previous:
+            lines.append(svg.VLine(float(row["step"]), str(row.get("phase"))))
+            previous = row.get("phase")
+    return lines
+
+
+def _per_layer(rows: list[dict[str, Any]], key: str) -> int:
+    return max((len(r[key]) for r in rows if isinstance(r.get(key), list)), default=0)
+
+
+def expert_imbalance(load: Any) -> float | None:
+    """max expert fraction x number of experts: 1.0 when the router balances perfectly."""
+    if not isinstance(load, list) or not load:
+        return None
+    values = [_number(v) for v in load]
+    if any(v is None for v in values):
+        return None
+    total = sum(values)  # type: ignore[arg-type]
+    return max(values) * len(values) / total if total > 0 else None  # type: ignore[type-var, operator]
+
+
+def flatten_config(value: Any, prefix: str = "", depth: int = 0) -> list[tuple[str, str]]:
+    """Dotted keys and short values, enough to see what a run was without reading the JSON."""
+    if isinstance(value, dict) and depth < 5:
+        rows: list[tuple[str, str]] = []
+        for key in sorted(value):
+            rows.extend(flatten_config(value[key], f"{prefix}.{key}" if prefix else str(key), depth + 1))
+        return rows
+    if isinstance(value, list):
+        if all(not isinstance(v, dict | list) for v in value) and len(value) <= 8:
+            return [(prefix, json.dumps(value, ensure_ascii=False))]
+        return [(prefix, f"[{len(value)} items]")]
+    if isinstance(value, dict):
+        return [(prefix, f"{{{len(value)} keys}}")]
+    text = json.dumps(value, ensure_ascii=False)
+    return [(prefix, text if len(text) <= 200 else text[:200] + "…")]
+
+
+def build_run(run_dir: str) -> dict[str, Any]:
+    """Charts, summary and config rows for one run folder."""
+    metrics_path = storage.join(run_dir, "metrics.jsonl")
+    if not storage.exists(metrics_path):
+        raise InputError(f"{metrics_path}: no metrics.jsonl in the run folder")
+    rows = read_metrics(metrics_path)
+    if not rows:
+        raise InputError(f"{metrics_path}: no metrics logged")
+    config_path = storage.join(run_dir, "config.json")
+    config = read_json_file(config_path, "run config") if storage.exists(config_path) else None
+    vlines = phase_lines(rows)
+    step = svg.Axis("step")
+    charts = []
+
+    def add(title: str, series: list[svg.Series], y: svg.Axis, note: str = "") -> None:
+        charts.append({"title": title, "note": note, "svg": svg.line_chart(series, title=title, x=step, y=y, vlines=vlines)})
+
+    add("Training loss", [_series(rows, "loss")], svg.Axis("loss"))
+    add("Learning rate", [_series(rows, "lr")], svg.Axis("learning rate"))
+    add("Throughput", [_series(rows, "tokens_per_second", "tokens / s")], svg.Axis("tokens per second"))
+    add("Model FLOPs utilization", [_series(rows, "mfu", "MFU")], svg.Axis("MFU", low=0.0))
+    layers = _per_layer(rows, "expert_load")
+    load_series = []
+    for layer in range(min(layers, MAX_LAYER_SERIES)):
+        load_series.append(
+            svg.Series(
+                f"layer {layer}",
+                [
+                    (
+                        float(r["step"]),
+                        expert_imbalance(r["expert_load"][layer])
+                        if isinstance(r.get("expert_load"), list) and len(r["expert_load"]) > layer
+                        else None,
+                    )
+                    for r in rows
+                ],
+            )
+        )
+    if layers > MAX_LAYER_SERIES:
+        load_series.append(
+            svg.Series(
+                "max over all layers",
+                [
+                    (
+                        float(r["step"]),
+                        max(
+                            (v for v in (expert_imbalance(x) for x in r.get("expert_load") or []) if v is not None),
+                            default=None,
+                        ),
+                    )
+                    for r in rows
+                ],
+                color="#111827",
+                dashed=True,
+            )
+        )
+    add(
+        "Expert load imbalance",
+        load_series,
+        svg.Axis("max load ÷ mean load"),
+        "Busiest expert's share of routed tokens times the number of experts, per MoE layer; 1.0 is perfectly"
+        " balanced." + (f" First {MAX_LAYER_SERIES} layers shown, plus the maximum over all." if layers > MAX_LAYER_SERIES else ""),
+    )
+    add("Dropped assignments", [_series(rows, "drop_fraction", "drop fraction")], svg.Axis("fraction dropped", low=0.0),
+        "Routed assignments dropped by expert capacity, over all MoE layers.")
+    add("Gradient norm", [_series(rows, "grad_norm", "grad norm")], svg.Axis("norm"))
+    bias_layers = _per_layer(rows, "router_bias_norm")
+    add(
+        "Router bias norm",
+        [
+            svg.Series(
+                f"layer {layer}",
+                [
+                    (
+                        float(r["step"]),
+                        _number(r["router_bias_norm"][layer])
+                        if isinstance(r.get("router_bias_norm"), list) and len(r["router_bias_norm"]) > layer
+                        else None,
+                    )
+                    for r in rows
+                ],
+            )
+            for layer in range(min(bias_layers, MAX_LAYER_SERIES))
+        ],
+        svg.Axis("norm"),
+    )
+
+    final_load = next((r["expert_load"] for r in reversed(rows) if isinstance(r.get("expert_load"), list)), None)
+    load_map = None
+    if final_load:
+        experts = max(len(layer) for layer in final_load if isinstance(layer, list)) if final_load else 0
+        cells = []
+        values = []
+        for li, layer in enumerate(final_load):
+            for ei, fraction in enumerate(layer if isinstance(layer, list) else []):
+                value = _number(fraction) or 0.0
+                values.append(value)
+                cells.append(
+                    svg.HeatCell(f"layer {li}", f"e{ei}", value, "", f"layer {li}, expert {ei}: {100 * value:.2f}% of tokens")
+                )
+        scale = svg.ColorScale(min((v for v in values if v > 0), default=0.0), max(values, default=1.0), False)
+        load_map = {
+            "svg": svg.heatmap(
+                [f"layer {i}" for i in range(len(final_load))],
+                [f"e{e}" for e in range(experts)],
+                cells,
+                scale=scale,
+                title="Expert load at the last logged step",
+                row_label="MoE layer",
+                column_label="expert",
+                cell_width=22 if experts > 16 else 40,
+                cell_height=18,
+                show_labels=False,
+            ),
+            "experts": experts,
+            "uniform": f"{100 / experts:.2f}%" if experts else "",
+        }
+
+    last = rows[-1]
+    losses = [v for v in (_number(r.get("loss")) for r in rows) if v is not None]
+    speeds = [v for v in (_number(r.get("tokens_per_second")) for r in rows) if v is not None]
+    tail = speeds[len(speeds) // 2 :] if speeds else []
+    summary = [
+        ("run", os.path.basename(run_dir.rstrip("/")) or run_dir),
+        ("logged steps", f"{len(rows):,}"),
+        ("last step", f"{int(last['step']):,}"),
+        ("tokens seen", format_count(_number(last.get("tokens")) or 0)),
+        ("final loss", f"{losses[-1]:.4f}" if losses else "–"),
+        ("lowest loss", f"{min(losses):.4f}" if losses else "–"),
+        ("throughput (median, second half)", f"{format_count(sorted(tail)[len(tail) // 2])} tokens/s" if tail else "–"),
+        ("last MFU", f"{100 * _number(last.get('mfu')):.1f}%" if _number(last.get("mfu")) is not None else "–"),
+        ("FLOPs", format_count(_number(last.get("flops")) or 0) if _number(last.get("flops")) else "–"),
+        ("wall time", f"{(_number(last.get('time')) or 0) / 3600:.2f} h" if _number(last.get("time")) else "–"),
+        ("phases", ", ".join(dict.fromkeys(str(r.get("phase")) for r in rows if r.get("phase") is not None)) or "–"),
+    ]
+    config_rows = flatten_config(config) if config is not None else []
+    return {
+        "name": summary[0][1],
+        "summary": summary,
+        "charts": charts,
+        "load_map": load_map,
+        "config_rows": config_rows[:CONFIG_ROWS],
+        "config_truncated": max(0, len(config_rows) - CONFIG_ROWS),
+        "metrics_path": metrics_path,
+        "config_path": config_path if config is not None else None,
+    }

@@ -1,0 +1,196 @@
+"""Writes the static site: index.html, run.html and data/ with the files behind the page.
+
+The site opens from disk or from a bucket: every link is relative, styles and the search script are
+inline, charts are inline SVG, and the small JSON files a reader needs to check the numbers (counts.json,
+each cell's manifest, stats.json, the plan) are copied into data/ with a SHA256SUMS file. Pages are Jinja2
+templates with autoescaping on, and a Content-Security-Policy allows only the page's own script (by hash),
+so document text that looks like HTML or script is shown as text and could not run even if it slipped
+through. No timestamps, sorted JSON and seeded samples make the output byte-identical for the same inputs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import jinja2
+
+from tokenmill import __version__, storage
+from tokenmill.reports.inputs import InputError, locate_curate_output
+from tokenmill.reports.overview import OverviewOptions, build_overview, load_counts
+from tokenmill.reports.plans import validate_plan
+from tokenmill.reports.runpage import build_run
+
+GENERATOR = "tokenmill report"
+
+
+@dataclass
+class SiteResult:
+    output: str
+    files: dict[str, int] = field(default_factory=dict)  # relative path -> bytes
+
+    @property
+    def index_bytes(self) -> int:
+        return self.files.get("index.html", 0)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("tokenmill.reports", "templates"),
+        # Autoescape everything, whatever the template's extension: document text is data, never markup.
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["thousands"] = lambda value: f"{int(value):,}"
+    return env
+
+
+def _asset(name: str) -> str:
+    return resources.files("tokenmill.reports").joinpath("templates", name).read_text(encoding="utf-8")
+
+
+def _script_hash(script: str) -> str:
+    return "sha256-" + base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
+
+
+def _json_bytes(value: Any) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _read_bytes(path: str) -> bytes:
+    with storage.open_file(path, "rb") as handle:
+        return handle.read()
+
+
+def _check_output(output: str) -> None:
+    """Refuse to write into a folder that holds something other than an earlier report."""
+    if not storage.is_local(output):
+        return
+    path = storage.local_path(output)
+    if os.path.isfile(path):
+        raise InputError(f"{output}: is a file; --output must be a folder")
+    if not os.path.isdir(path) or not os.listdir(path):
+        return
+    index = os.path.join(path, "index.html")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8", errors="replace") as handle:
+            if f'<meta name="generator" content="{GENERATOR}' in handle.read(4096):
+                return
+    raise InputError(f"{output}: folder is not empty and holds no earlier report; choose an empty or new folder")
+
+
+def _remove_stale(output: str, written: set[str]) -> None:
+    """Delete files from an earlier report that this one did not write, so the folder equals the build."""
+    if not storage.is_local(output):
+        return
+    root = storage.local_path(output)
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            relative = os.path.relpath(os.path.join(directory, name), root).replace(os.sep, "/")
+            if relative not in written:
+                os.remove(os.path.join(directory, name))
+        if directory != root and not os.listdir(directory):
+            os.rmdir(directory)
+
+
+def build_site(
+    *,
+    curated: str,
+    tokens: str,
+    plan: dict[str, Any],
+    output: str,
+    previous_plan: dict[str, Any] | None = None,
+    run: str | None = None,
+    options: OverviewOptions | None = None,
+    title: str = "Data overview",
+    plan_origin: str = "mixture plan",
+) -> SiteResult:
+    """Build the site into `output` and return the files written with their sizes."""
+    options = options or OverviewOptions()
+    validate_plan(plan, plan_origin)
+    if previous_plan is not None:
+        validate_plan(previous_plan, "previous mixture plan")
+    _check_output(output)
+    layout = locate_curate_output(curated)
+    if not storage.exists(storage.join(tokens, "counts.json")):
+        raise InputError(f"{tokens}: no counts.json here (expected the tokenize output folder)")
+    counts = load_counts(tokens)
+    overview = build_overview(layout, tokens, counts, plan, previous_plan, options)
+    run_page = build_run(run) if run else None
+
+    outputs: dict[str, bytes] = {}
+    data_files: list[dict[str, Any]] = []
+
+    def publish(relative: str, payload: bytes, label: str, group: str) -> None:
+        outputs[relative] = payload
+        data_files.append(
+            {
+                "href": relative,
+                "label": label,
+                "group": group,
+                "bytes": len(payload),
+                "sha256": hashlib.sha256(payload).hexdigest(),
+            }
+        )
+
+    # Copied byte for byte, so that a reader can compare them with the originals.
+    publish("data/tokens/counts.json", _read_bytes(storage.join(tokens, "counts.json")), "token counts per cell", "tokens")
+    for cell, path in sorted(overview["manifests"].items()):
+        publish(f"data/tokens/{cell}/manifest.json", _read_bytes(path), f"manifest of {cell}", "manifests")
+    if overview["stats_path"]:
+        publish("data/curate/stats.json", _read_bytes(overview["stats_path"]), "curation statistics", "curate")
+    publish("data/mixture/plan.json", _json_bytes(plan), "mixture plan", "mixture")
+    if previous_plan is not None:
+        publish("data/mixture/previous-plan.json", _json_bytes(previous_plan), "previous mixture plan", "mixture")
+    samples = b"".join(
+        (json.dumps(sample, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8") for sample in overview["samples"]
+    )
+    publish("data/samples.jsonl", samples, "sample documents shown on the page (text cut to the preview)", "page")
+    publish("data/overview.json", _json_bytes(overview["data"]), "the page's numbers", "page")
+    if run_page:
+        publish("data/run/metrics.jsonl", _read_bytes(run_page["metrics_path"]), "run metrics", "run")
+        if run_page["config_path"]:
+            publish("data/run/config.json", _read_bytes(run_page["config_path"]), "run config", "run")
+    sums = "".join(f"{f['sha256']}  {f['href'][len('data/') :]}\n" for f in sorted(data_files, key=lambda f: f["href"]))
+    outputs["data/SHA256SUMS"] = sums.encode("utf-8")
+
+    env = _environment()
+    script = _asset("search.js")
+    common = {
+        "title": title,
+        "version": __version__,
+        "generator": GENERATOR,
+        "style": _asset("style.css"),
+        "script": script,
+        "script_hash": _script_hash(script),
+        "has_run": run_page is not None,
+        "run_name": run_page["name"] if run_page else "",
+    }
+    counts_href = "data/tokens/counts.json"
+    outputs["index.html"] = (
+        env.get_template("index.html.j2")
+        .render(
+            **common,
+            page="overview",
+            o=overview,
+            data_files=sorted(data_files, key=lambda f: (f["group"] != "tokens", f["group"], f["href"])),
+            counts_href=counts_href,
+            options=options,
+        )
+        .encode("utf-8")
+    )
+    if run_page:
+        outputs["run.html"] = env.get_template("run.html.j2").render(**common, page="run", r=run_page).encode("utf-8")
+
+    for relative, payload in sorted(outputs.items()):
+        storage.write_bytes(storage.join(output, *relative.split("/")), payload)
+    _remove_stale(output, set(outputs))
+    return SiteResult(output=output, files={k: len(v) for k, v in sorted(outputs.items())})

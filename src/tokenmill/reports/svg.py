@@ -1,0 +1,626 @@
+"""Inline SVG charts for the report pages, generated in Python.
+
+The pages must open offline, from disk or a bucket, and the same inputs must give the same bytes, so the
+charts are plain SVG strings: no chart library, no JavaScript, coordinates printed at fixed precision.
+Every piece of text that reaches the SVG goes through `escape`, since labels come from input data
+(source names, phase names).
+
+`line_chart` is the reusable piece: the run page draws its curves with it, and a scaling-ladder forecast
+(log-log axes, dashed extrapolations, marked points) can be drawn with the same call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from markupsafe import Markup, escape
+
+from tokenmill.units import format_count
+
+# A sequential palette (ColorBrewer YlGnBu): light for few tokens, dark for many; readable in print
+# and for the common kinds of color blindness.
+SEQUENTIAL = (
+    "#ffffd9",
+    "#edf8b1",
+    "#c7e9b4",
+    "#7fcdbb",
+    "#41b6c4",
+    "#1d91c0",
+    "#225ea8",
+    "#253494",
+    "#081d58",
+)
+EMPTY_COLOR = "#f1f3f5"
+# Categorical colors for lines and stacked bars, distinct enough side by side.
+CATEGORICAL = (
+    "#2563eb",
+    "#dc2626",
+    "#16a34a",
+    "#9333ea",
+    "#ea580c",
+    "#0891b2",
+    "#4b5563",
+    "#ca8a04",
+    "#db2777",
+    "#65a30d",
+)
+FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
+CHAR_WIDTH = 6.4  # rough width of one 11px character, to lay out labels without measuring text
+
+
+def category_color(index: int) -> str:
+    return CATEGORICAL[index % len(CATEGORICAL)]
+
+
+def _f(value: float) -> str:
+    """A coordinate at fixed precision, so output bytes do not depend on float noise."""
+    text = f"{value:.1f}"
+    return "0" if text == "-0.0" else text.removesuffix(".0")
+
+
+def _hex_to_rgb(color: str) -> tuple[int, int, int]:
+    return int(color[1:3], 16), int(color[3:5], 16), int(color[5:7], 16)
+
+
+def interpolate(palette: Sequence[str], t: float) -> str:
+    """The color at position t (0..1) along a palette, linearly interpolated in RGB."""
+    t = min(1.0, max(0.0, t))
+    position = t * (len(palette) - 1)
+    low = min(int(position), len(palette) - 2)
+    frac = position - low
+    a, b = _hex_to_rgb(palette[low]), _hex_to_rgb(palette[low + 1])
+    return "#" + "".join(f"{round(x + (y - x) * frac):02x}" for x, y in zip(a, b, strict=True))
+
+
+def text_color_for(background: str) -> str:
+    """Dark text on light cells, white on dark ones (relative luminance threshold)."""
+    r, g, b = (c / 255 for c in _hex_to_rgb(background))
+    luminance = 0.2126 * r + 0.7152 * g + 0.0722 * b
+    return "#111827" if luminance > 0.55 else "#ffffff"
+
+
+def format_tick(value: float) -> str:
+    """Axis labels: counts with suffixes, small numbers in short scientific form."""
+    if value == 0:
+        return "0"
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return format_count(value)
+    if magnitude < 0.01:
+        mantissa, exponent = f"{value:.1e}".split("e")
+        return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
+    return f"{value:.3g}"
+
+
+def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """Round tick values (1, 2, 5 x 10^k steps) covering [low, high]."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return []
+    if high <= low:
+        return [low]
+    raw = (high - low) / max(1, count)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    first = math.ceil(low / step - 1e-9)
+    ticks = []
+    k = first
+    while k * step <= high + step * 1e-9:
+        ticks.append(round(k * step, 12))
+        k += 1
+    return ticks
+
+
+@dataclass(frozen=True)
+class ColorScale:
+    """Maps token counts to the sequential palette; logarithmic when the counts span orders of magnitude."""
+
+    low: float
+    high: float
+    log: bool
+
+    @classmethod
+    def for_values(cls, values: Sequence[float]) -> ColorScale:
+        positive = [v for v in values if v > 0]
+        if not positive:
+            return cls(0.0, 1.0, False)
+        low, high = min(positive), max(positive)
+        return cls(float(low), float(high), high / low > 20)
+
+    def position(self, value: float) -> float:
+        if value <= 0:
+            return 0.0
+        if self.high <= self.low:
+            return 1.0
+        if self.log:
+            return (math.log10(value) - math.log10(self.low)) / (math.log10(self.high) - math.log10(self.low))
+        return value / self.high
+
+    def color(self, value: float) -> str:
+        return EMPTY_COLOR if value <= 0 else interpolate(SEQUENTIAL, 0.08 + 0.92 * self.position(value))
+
+    def ticks(self) -> list[float]:
+        if self.log:
+            start, stop = math.ceil(math.log10(self.low) - 1e-9), math.floor(math.log10(self.high) + 1e-9)
+            decades = [10.0**k for k in range(start, stop + 1)]
+            return sorted({self.low, *decades, self.high})
+        return sorted({*(t for t in nice_ticks(0, self.high, 4) if t > 0), self.high})
+
+
+@dataclass(frozen=True)
+class HeatCell:
+    row: str
+    column: str
+    value: float
+    label: str
+    title: str
+    href: str = ""
+    key: str = ""
+
+
+def heatmap(
+    rows: Sequence[str],
+    columns: Sequence[str],
+    cells: Sequence[HeatCell],
+    *,
+    scale: ColorScale,
+    title: str,
+    row_label: str,
+    column_label: str,
+    row_hrefs: dict[str, str] | None = None,
+    cell_width: float = 78.0,
+    cell_height: float = 26.0,
+    show_labels: bool = True,
+) -> Markup:
+    """A rows x columns grid of colored cells with their values printed, each a link with a tooltip.
+
+    Every (row, column) pair gets a rect with class `heat-cell`, empty ones included, so a reader sees at
+    a glance which cells hold no data.
+    """
+    row_hrefs = row_hrefs or {}
+    by_key = {(c.row, c.column): c for c in cells}
+    label_width = max(60.0, min(220.0, CHAR_WIDTH * max((len(r) for r in rows), default=4) + 16))
+    cell_w, cell_h, top = cell_width, cell_height, 36.0
+    width = label_width + cell_w * len(columns) + 8
+    height = top + cell_h * len(rows) + 8
+    out = [
+        f'<svg class="chart heatmap" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
+        f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(title)}"'
+        f' font-family="{FONT}" font-size="11">',
+        f"<title>{escape(title)}</title>",
+        f'<text x="{_f(label_width + cell_w * len(columns) / 2)}" y="12" text-anchor="middle"'
+        f' fill="#4b5563">{escape(column_label)}</text>',
+        f'<text x="4" y="{_f(top - 8)}" fill="#4b5563">{escape(row_label)}</text>',
+    ]
+    for j, column in enumerate(columns):
+        x = label_width + cell_w * j + cell_w / 2
+        out.append(
+            f'<text x="{_f(x)}" y="{_f(top - 8)}" text-anchor="middle" font-weight="600"'
+            f' font-size="{11 if cell_w >= 30 else 8}">{escape(column)}</text>'
+        )
+    for i, row in enumerate(rows):
+        y = top + cell_h * i
+        out.append(f'<g class="heat-row" data-row="{escape(row)}">')
+        label = f'<text x="{_f(label_width - 8)}" y="{_f(y + cell_h / 2 + 4)}" text-anchor="end">{escape(row)}</text>'
+        if row in row_hrefs:
+            label = f'<a href="{escape(row_hrefs[row])}">{label}</a>'
+        out.append(label)
+        for j, column in enumerate(columns):
+            x = label_width + cell_w * j
+            cell = by_key.get((row, column))
+            value = cell.value if cell else 0.0
+            fill = scale.color(value)
+            rect = (
+                f'<rect class="heat-cell" data-cell="{escape(cell.key if cell else "")}"'
+                f' data-row="{escape(row)}" data-column="{escape(column)}" x="{_f(x + 1)}" y="{_f(y + 1)}"'
+                f' width="{_f(cell_w - 2)}" height="{_f(cell_h - 2)}" rx="3" fill="{fill}">'
+                f"<title>{escape(cell.title if cell else f'{row} / {column}: no data')}</title></rect>"
+            )
+            text = (
+                f'<text x="{_f(x + cell_w / 2)}" y="{_f(y + cell_h / 2 + 4)}" text-anchor="middle"'
+                f' fill="{text_color_for(fill)}" pointer-events="none">{escape(cell.label if cell else "—")}</text>'
+                if show_labels
+                else ""
+            )
+            if cell and cell.href:
+                out.append(f'<a href="{escape(cell.href)}">{rect}{text}</a>')
+            else:
+                out.append(rect + text)
+        out.append("</g>")
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+def color_legend(scale: ColorScale, *, label: str, width: float = 320) -> Markup:
+    """A horizontal gradient bar with tick labels, matching `ColorScale.color`."""
+    height, bar_top, bar_h, pad = 46.0, 18.0, 12.0, 10.0
+    bar_w = width - 2 * pad
+    stops = "".join(
+        f'<stop offset="{_f(100 * k / 16)}%" stop-color="{interpolate(SEQUENTIAL, 0.08 + 0.92 * k / 16)}"/>'
+        for k in range(17)
+    )
+    out = [
+        f'<svg class="chart legend" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
+        f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(label)}"'
+        f' font-family="{FONT}" font-size="11">',
+        f'<defs><linearGradient id="legend-gradient" x1="0" x2="1" y1="0" y2="0">{stops}</linearGradient></defs>',
+        f'<text x="{_f(pad)}" y="12" fill="#4b5563">{escape(label)}{" (log scale)" if scale.log else ""}</text>',
+        f'<rect x="{_f(pad)}" y="{_f(bar_top)}" width="{_f(bar_w)}" height="{_f(bar_h)}" rx="2"'
+        ' fill="url(#legend-gradient)" stroke="#d1d5db"/>',
+    ]
+    last_x = -1e9
+    for tick in scale.ticks():
+        x = pad + bar_w * scale.position(tick)
+        out.append(
+            f'<line x1="{_f(x)}" x2="{_f(x)}" y1="{_f(bar_top + bar_h)}" y2="{_f(bar_top + bar_h + 4)}"'
+            ' stroke="#6b7280"/>'
+        )
+        text = format_tick(tick)
+        if x - last_x >= CHAR_WIDTH * (len(text) + 1):
+            anchor = "start" if x < pad + 8 else "end" if x > width - pad - 8 else "middle"
+            out.append(
+                f'<text x="{_f(x)}" y="{_f(bar_top + bar_h + 15)}" text-anchor="{anchor}"'
+                f' fill="#374151">{escape(text)}</text>'
+            )
+            last_x = x
+    out.append(
+        f'<rect x="{_f(width - pad - 52)}" y="1" width="12" height="12" fill="{EMPTY_COLOR}" stroke="#d1d5db"/>'
+        f'<text x="{_f(width - pad - 36)}" y="11" fill="#4b5563">empty</text>'
+    )
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+@dataclass(frozen=True)
+class Segment:
+    label: str
+    value: float
+    title: str = ""
+    color: str = ""
+
+
+def stacked_bar(segments: Sequence[Segment], *, width: float = 320, height: float = 14) -> Markup:
+    """One horizontal bar split by share, e.g. a domain's tokens by quality bucket."""
+    total = sum(max(0.0, s.value) for s in segments)
+    out = [
+        f'<svg class="chart bar" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
+        f' width="{_f(width)}" height="{_f(height)}" preserveAspectRatio="none" role="img"'
+        f' aria-label="{escape(", ".join(f"{s.label}: {s.title or s.value}" for s in segments))}">'
+    ]
+    if total <= 0:
+        out.append(f'<rect width="{_f(width)}" height="{_f(height)}" fill="{EMPTY_COLOR}"/>')
+    x = 0.0
+    for index, segment in enumerate(segments):
+        if segment.value <= 0 or total <= 0:
+            continue
+        w = width * segment.value / total
+        color = segment.color or category_color(index)
+        out.append(
+            f'<rect x="{_f(x)}" y="0" width="{_f(max(w, 0.5))}" height="{_f(height)}" fill="{color}">'
+            f"<title>{escape(segment.label)}: {escape(segment.title or format_tick(segment.value))}</title></rect>"
+        )
+        x += w
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+@dataclass(frozen=True)
+class Bar:
+    label: str
+    value: float
+    annotation: str = ""
+
+
+def bar_chart(
+    bars: Sequence[Bar], *, title: str, width: float = 640, color: str = "#2563eb", log: bool = False
+) -> Markup:
+    """Horizontal bars with their labels and annotations, e.g. documents left after each curation stage."""
+    label_width = max(80.0, min(260.0, CHAR_WIDTH * max((len(b.label) for b in bars), default=4) + 16))
+    annotation_width = max(60.0, CHAR_WIDTH * max((len(b.annotation) for b in bars), default=4) + 12)
+    bar_h, gap, top = 20.0, 6.0, 6.0
+    height = top + (bar_h + gap) * len(bars) + 4
+    plot_w = max(40.0, width - label_width - annotation_width)
+    high = max((b.value for b in bars), default=0.0)
+
+    def length(value: float) -> float:
+        if value <= 0 or high <= 0:
+            return 0.0
+        if log:
+            return plot_w * math.log10(1 + value) / math.log10(1 + high)
+        return plot_w * value / high
+
+    out = [
+        f'<svg class="chart bars" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
+        f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(title)}"'
+        f' font-family="{FONT}" font-size="11">',
+        f"<title>{escape(title)}</title>",
+    ]
+    for i, bar in enumerate(bars):
+        y = top + (bar_h + gap) * i
+        w = length(bar.value)
+        out.append(
+            f'<text x="{_f(label_width - 8)}" y="{_f(y + bar_h / 2 + 4)}" text-anchor="end">{escape(bar.label)}</text>'
+            f'<rect x="{_f(label_width)}" y="{_f(y)}" width="{_f(max(w, 1))}" height="{_f(bar_h)}" rx="2"'
+            f' fill="{color}"><title>{escape(bar.label)}: {escape(bar.annotation)}</title></rect>'
+            f'<text x="{_f(label_width + w + 6)}" y="{_f(y + bar_h / 2 + 4)}" fill="#374151">'
+            f"{escape(bar.annotation)}</text>"
+        )
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+@dataclass(frozen=True)
+class Span:
+    label: str
+    start: float
+    end: float
+    detail: str = ""
+
+
+def timeline(spans: Sequence[Span], *, title: str, width: float = 880, unit: str = "step") -> Markup:
+    """Consecutive spans on one axis, e.g. the mixture's phases over training steps."""
+    height, bar_top, bar_h, pad = 64.0, 8.0, 30.0, 8.0
+    total = max((s.end for s in spans), default=0.0)
+    start = min((s.start for s in spans), default=0.0)
+    span_w = width - 2 * pad
+    out = [
+        f'<svg class="chart timeline" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
+        f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(title)}"'
+        f' font-family="{FONT}" font-size="11">',
+        f"<title>{escape(title)}</title>",
+    ]
+
+    def x_of(value: float) -> float:
+        return pad + (span_w * (value - start) / (total - start) if total > start else 0.0)
+
+    for i, span in enumerate(spans):
+        x0, x1 = x_of(span.start), x_of(span.end)
+        color = category_color(i)
+        label = span.label if (x1 - x0) > CHAR_WIDTH * (len(span.label) + 2) else ""
+        out.append(
+            f'<rect x="{_f(x0)}" y="{_f(bar_top)}" width="{_f(max(1.0, x1 - x0))}" height="{_f(bar_h)}"'
+            f' fill="{color}" fill-opacity="0.85"><title>{escape(span.label)}: {escape(span.detail)}</title></rect>'
+            f'<text x="{_f((x0 + x1) / 2)}" y="{_f(bar_top + bar_h / 2 + 4)}" text-anchor="middle"'
+            f' fill="#ffffff" font-weight="600">{escape(label)}</text>'
+        )
+    boundaries = sorted({s.start for s in spans} | {s.end for s in spans})
+    for k, value in enumerate(boundaries):
+        x = x_of(value)
+        anchor = "start" if k == 0 else "end" if k == len(boundaries) - 1 else "middle"
+        out.append(
+            f'<line x1="{_f(x)}" x2="{_f(x)}" y1="{_f(bar_top)}" y2="{_f(bar_top + bar_h + 6)}" stroke="#111827"/>'
+            f'<text x="{_f(x)}" y="{_f(bar_top + bar_h + 18)}" text-anchor="{anchor}" fill="#374151">'
+            f"{escape(unit)} {escape(format_count(value))}</text>"
+        )
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line on a chart. `points` are (x, y); points with a missing or non-finite y are gaps."""
+
+    name: str
+    points: Sequence[tuple[float, float | None]]
+    color: str = ""
+    dashed: bool = False
+    markers: bool = False
+    width: float = 1.6
+
+
+@dataclass(frozen=True)
+class VLine:
+    """A vertical marker, e.g. a phase boundary or the step a forecast starts from."""
+
+    x: float
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Axis:
+    label: str = ""
+    log: bool = False
+    low: float | None = None
+    high: float | None = None
+    format: Callable[[float], str] = field(default=format_tick)
+
+
+def decimate(points: Sequence[tuple[float, float | None]], limit: int) -> list[tuple[float, float | None]]:
+    """At most about `limit` points, keeping each bucket's minimum and maximum so that spikes survive."""
+    if len(points) <= limit or limit < 4:
+        return list(points)
+    buckets = limit // 2
+    size = len(points) / buckets
+    kept: list[tuple[float, float | None]] = []
+    for b in range(buckets):
+        chunk = points[int(b * size) : int((b + 1) * size)]
+        finite = [p for p in chunk if p[1] is not None and math.isfinite(p[1])]
+        if not finite:
+            if chunk:
+                kept.append(chunk[0])
+            continue
+        low = min(finite, key=lambda p: p[1])
+        high = max(finite, key=lambda p: p[1])
+        kept.extend(sorted({low, high}, key=lambda p: p[0]))
+    if points[-1] not in kept:
+        kept.append(points[-1])
+    return kept
+
+
+def _log_ticks(low: float, high: float) -> list[float]:
+    start, stop = math.floor(math.log10(low)), math.ceil(math.log10(high))
+    if stop - start < 1:
+        return nice_ticks(low, high, 4)
+    stride = max(1, math.ceil((stop - start) / 6))
+    ticks = [10.0**k for k in range(start, stop + 1, stride) if low <= 10.0**k <= high]
+    if len(ticks) < 2:
+        ticks = [t * 10.0**k for k in range(start, stop + 1) for t in (1, 2, 5) if low <= t * 10.0**k <= high]
+    return ticks
+
+
+def line_chart(
+    series: Sequence[Series],
+    *,
+    title: str,
+    x: Axis | None = None,
+    y: Axis | None = None,
+    vlines: Sequence[VLine] = (),
+    width: float = 560,
+    height: float = 260,
+    max_points: int = 800,
+) -> Markup:
+    """A line chart with axes, ticks, a legend when there are several series, and vertical markers.
+
+    Log axes drop non-positive values. Long series are decimated (min/max per bucket) to `max_points`.
+    """
+    x = x or Axis()
+    y = y or Axis()
+    series = [
+        Series(
+            s.name,
+            decimate(
+                [
+                    (float(px), None if py is None or not math.isfinite(py) or (y.log and py <= 0) else float(py))
+                    for px, py in s.points
+                    if math.isfinite(px) and not (x.log and px <= 0)
+                ],
+                max_points,
+            ),
+            s.color or category_color(i),
+            s.dashed,
+            s.markers,
+            s.width,
+        )
+        for i, s in enumerate(series)
+    ]
+    xs = [p[0] for s in series for p in s.points if p[1] is not None]
+    ys = [p[1] for s in series for p in s.points if p[1] is not None]
+    xs += [v.x for v in vlines if math.isfinite(v.x) and not (x.log and v.x <= 0)]
+    legend_rows = 0
+    legend_items: list[tuple[float, int, Series]] = []
+    if len(series) > 1:
+        cursor, row = 0.0, 0
+        for s in series:
+            item_w = 26 + CHAR_WIDTH * len(s.name) + 12
+            if cursor + item_w > width - 70 and cursor > 0:
+                cursor, row = 0.0, row + 1
+            legend_items.append((cursor, row, s))
+            cursor += item_w
+        legend_rows = row + 1
+    left, right, bottom = 60.0, 16.0, 40.0
+    top = 26.0 + 16.0 * legend_rows
+    plot_w, plot_h = width - left - right, height - top - bottom
+    out = [
+        f'<svg class="chart line-chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
+        f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(title)}"'
+        f' font-family="{FONT}" font-size="11">',
+        f"<title>{escape(title)}</title>",
+        f'<text x="{_f(left)}" y="14" font-weight="600" font-size="12.5" fill="#111827">{escape(title)}</text>',
+    ]
+    for cursor, row, s in legend_items:
+        ly = 28 + 16 * row
+        dash = ' stroke-dasharray="5 3"' if s.dashed else ""
+        out.append(
+            f'<line x1="{_f(left + cursor)}" x2="{_f(left + cursor + 20)}" y1="{_f(ly - 4)}" y2="{_f(ly - 4)}"'
+            f' stroke="{s.color}" stroke-width="2"{dash}/>'
+            f'<text x="{_f(left + cursor + 25)}" y="{_f(ly)}" fill="#374151">{escape(s.name)}</text>'
+        )
+    if not xs or not ys:
+        out.append(
+            f'<text x="{_f(width / 2)}" y="{_f(top + plot_h / 2)}" text-anchor="middle" fill="#6b7280">no data</text>'
+            "</svg>"
+        )
+        return Markup("".join(out))
+
+    def bounds(values: list[float], axis: Axis) -> tuple[float, float]:
+        low = axis.low if axis.low is not None else min(values)
+        high = axis.high if axis.high is not None else max(values)
+        if axis.log:
+            low, high = max(low, 1e-300), max(high, 1e-300)
+            if high <= low:
+                low, high = low / 2, high * 2
+        elif high <= low:
+            pad = abs(low) * 0.05 or 1.0
+            low, high = low - pad, high + pad
+        return low, high
+
+    x_lo, x_hi = bounds(xs, x)
+    y_lo, y_hi = bounds(ys, y)
+    if not y.log and y.low is None and y.high is None:
+        # Headroom so that the line does not touch the frame.
+        margin = (y_hi - y_lo) * 0.05
+        y_lo, y_hi = y_lo - margin, y_hi + margin
+        if min(ys) >= 0 > y_lo:
+            y_lo = 0.0
+
+    def scale(value: float, low: float, high: float, log: bool) -> float:
+        if log:
+            return (math.log10(value) - math.log10(low)) / (math.log10(high) - math.log10(low))
+        return (value - low) / (high - low)
+
+    def px(value: float) -> float:
+        return left + plot_w * scale(value, x_lo, x_hi, x.log)
+
+    def py(value: float) -> float:
+        return top + plot_h * (1 - scale(value, y_lo, y_hi, y.log))
+
+    out.append(
+        f'<rect x="{_f(left)}" y="{_f(top)}" width="{_f(plot_w)}" height="{_f(plot_h)}" fill="#ffffff"'
+        ' stroke="#d1d5db"/>'
+    )
+    y_ticks = _log_ticks(y_lo, y_hi) if y.log else nice_ticks(y_lo, y_hi, 4)
+    for tick in y_ticks:
+        ty = py(tick)
+        out.append(
+            f'<line x1="{_f(left)}" x2="{_f(left + plot_w)}" y1="{_f(ty)}" y2="{_f(ty)}" stroke="#eef0f3"/>'
+            f'<text x="{_f(left - 6)}" y="{_f(ty + 4)}" text-anchor="end" fill="#4b5563">{escape(y.format(tick))}</text>'
+        )
+    x_ticks = _log_ticks(x_lo, x_hi) if x.log else nice_ticks(x_lo, x_hi, 5)
+    for tick in x_ticks:
+        tx = px(tick)
+        out.append(
+            f'<line x1="{_f(tx)}" x2="{_f(tx)}" y1="{_f(top + plot_h)}" y2="{_f(top + plot_h + 4)}" stroke="#9ca3af"/>'
+            f'<text x="{_f(tx)}" y="{_f(top + plot_h + 16)}" text-anchor="middle" fill="#4b5563">'
+            f"{escape(x.format(tick))}</text>"
+        )
+    if x.label:
+        out.append(
+            f'<text x="{_f(left + plot_w / 2)}" y="{_f(height - 6)}" text-anchor="middle" fill="#374151">'
+            f"{escape(x.label)}</text>"
+        )
+    if y.label:
+        out.append(
+            f'<text transform="translate(12 {_f(top + plot_h / 2)}) rotate(-90)" text-anchor="middle"'
+            f' fill="#374151">{escape(y.label)}</text>'
+        )
+    for v in vlines:
+        if not math.isfinite(v.x) or not (x_lo <= v.x <= x_hi):
+            continue
+        vx = px(v.x)
+        out.append(
+            f'<line class="vline" x1="{_f(vx)}" x2="{_f(vx)}" y1="{_f(top)}" y2="{_f(top + plot_h)}"'
+            ' stroke="#6b7280" stroke-dasharray="3 3"/>'
+        )
+        if v.label:
+            out.append(f'<text x="{_f(vx + 4)}" y="{_f(top + 12)}" fill="#4b5563">{escape(v.label)}</text>')
+    for s in series:
+        runs: list[list[tuple[float, float]]] = [[]]
+        for point_x, point_y in s.points:
+            if point_y is None:
+                if runs[-1]:
+                    runs.append([])
+                continue
+            runs[-1].append((px(point_x), py(point_y)))
+        dash = ' stroke-dasharray="6 4"' if s.dashed else ""
+        for run in runs:
+            if len(run) >= 2:
+                d = "M" + " L".join(f"{_f(a)} {_f(b)}" for a, b in run)
+                out.append(
+                    f'<path d="{d}" fill="none" stroke="{s.color}" stroke-width="{_f(s.width)}"'
+                    f' stroke-linejoin="round"{dash}><title>{escape(s.name)}</title></path>'
+                )
+            if s.markers or len(run) == 1:
+                out.extend(f'<circle cx="{_f(a)}" cy="{_f(b)}" r="3" fill="{s.color}"/>' for a, b in run)
+    out.append("</svg>")
+    return Markup("".join(out))

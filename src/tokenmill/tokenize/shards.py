@@ -1,0 +1,257 @@
+"""Token shards on disk: names, checksums, and the memory-mapped reader used by the trainer and the reports.
+
+Layout (docs/formats.md, "Token shards"): per cell, `part-<n>.bin` (token ids, documents each followed by
+end-of-text), `part-<n>.idx` (uint64 end offset of each document), `manifest.json`; `tokens/counts.json`
+over all cells. `TokenShards` opens one cell, `TokenCatalog` the whole folder through counts.json.
+
+Reading fails fast: a manifest of another format version, shards made with another tokenizer than the
+caller expects, a missing or wrongly sized file, or (with verification) a checksum mismatch all raise a
+`ShardError` that names the file and both values. This module needs only numpy: the trainer and the
+reports import it, never Beam or the tokenizer library.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from tokenmill import storage
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+COUNTS = "counts.json"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+INDEX_DTYPE = np.dtype("<u8")
+_HASH_CHUNK = 8 << 20
+
+
+class ShardError(ValueError):
+    """Token shards that cannot be read as asked: wrong format version or tokenizer, missing or bad files."""
+
+
+class ShardChecksumError(ShardError):
+    """A shard file whose bytes do not match the sha256 recorded for it."""
+
+
+def shard_name(index: int) -> str:
+    return f"part-{index:05d}"
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with storage.open_file(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_format_version(found: Any, where: str) -> None:
+    if found != FORMAT_VERSION:
+        raise ShardError(f"{where}: token shard format version {found!r}, but this reader expects {FORMAT_VERSION}")
+
+
+def check_tokenizer(found: str, expected: str | None, where: str, name: str = "") -> None:
+    if expected is not None and found != expected:
+        named = f" ({name})" if name else ""
+        raise ShardError(
+            f"{where}: made with tokenizer sha256 {found}{named}, but the caller expects tokenizer sha256 {expected}"
+        )
+
+
+def _map(path: str, dtype: np.dtype, count: int) -> np.ndarray:
+    """A read-only memory map of `count` items; checks the file size first so truncation is caught at open."""
+    local = storage.local_path(path)
+    if not os.path.exists(local):
+        raise ShardError(f"{path}: missing (listed in the manifest)")
+    size = os.path.getsize(local)
+    if size != count * dtype.itemsize:
+        raise ShardChecksumError(
+            f"{path}: {size} bytes, but the manifest says {count} x {dtype.itemsize} = {count * dtype.itemsize}"
+        )
+    if count == 0:
+        # numpy cannot map an empty file.
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(local, dtype=dtype, mode="r", shape=(count,))
+
+
+class TokenShards:
+    """One cell's token shards, memory-mapped: document i, or any token range of the cell's stream.
+
+    The cell's stream is its shards' .bin files concatenated in order (part-00000, part-00001, ...), so
+    token offsets and document numbers run across shards. `document(i)` leaves out the end-of-text id
+    that follows each document; `tokens(start, stop)` returns the stream as stored, end-of-text included.
+    """
+
+    def __init__(self, path: str, expected_tokenizer_sha256: str | None = None, verify: bool = False) -> None:
+        if not storage.is_local(path):
+            raise ShardError(f"{path}: token shards are memory-mapped and must be on local disk")
+        self.path = storage.local_path(path).rstrip("/")
+        manifest_path = os.path.join(self.path, MANIFEST)
+        if not os.path.exists(manifest_path):
+            raise ShardError(f"{manifest_path}: missing (not a token cell, or its tokenize run did not finish)")
+        self.manifest: dict[str, Any] = storage.read_json(manifest_path)
+        check_format_version(self.manifest.get("format_version"), manifest_path)
+        tokenizer = self.manifest["tokenizer"]
+        check_tokenizer(tokenizer["sha256"], expected_tokenizer_sha256, manifest_path, tokenizer.get("name", ""))
+        dtype_name = self.manifest["dtype"]
+        if dtype_name not in DTYPES:
+            raise ShardError(f"{manifest_path}: dtype {dtype_name!r}, expected one of {', '.join(DTYPES)}")
+        self.cell: str = self.manifest.get("cell", "")
+        self.dtype: np.dtype = DTYPES[dtype_name]
+        self.eos_id: int = int(self.manifest["eos_id"])
+        self.tokenizer_sha256: str = tokenizer["sha256"]
+        self.tokenizer_name: str = tokenizer.get("name", "")
+        self.vocab_size: int = int(tokenizer["vocab_size"])
+        self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
+
+        self._bins: list[np.ndarray] = []
+        self._idxs: list[np.ndarray] = []
+        for shard in self.shards:
+            self._bins.append(_map(self._file(shard, ".bin"), self.dtype, int(shard["tokens"])))
+            idx = _map(self._file(shard, ".idx"), INDEX_DTYPE, int(shard["documents"]))
+            if len(idx) and int(idx[-1]) != int(shard["tokens"]):
+                raise ShardChecksumError(
+                    f"{self._file(shard, '.idx')}: last document ends at {int(idx[-1])}, "
+                    f"but the shard has {shard['tokens']} tokens"
+                )
+            self._idxs.append(idx)
+        documents = np.array([int(s["documents"]) for s in self.shards], dtype=np.int64)
+        tokens = np.array([int(s["tokens"]) for s in self.shards], dtype=np.int64)
+        # First document / token of each shard in the cell's numbering, plus the total at the end.
+        self._doc_starts = np.concatenate([[0], np.cumsum(documents)])
+        self._token_starts = np.concatenate([[0], np.cumsum(tokens)])
+        self.num_documents = int(self._doc_starts[-1])
+        self.num_tokens = int(self._token_starts[-1])
+        if self.num_documents != int(self.manifest["documents"]) or self.num_tokens != int(self.manifest["tokens"]):
+            raise ShardError(f"{manifest_path}: cell totals do not equal the sum of its shards")
+        if verify:
+            self.verify()
+
+    def _file(self, shard: dict[str, Any], suffix: str) -> str:
+        return os.path.join(self.path, shard["name"] + suffix)
+
+    def verify(self) -> int:
+        """Check every file against the manifest's sha256; returns bytes checked, raises ShardChecksumError."""
+        checked = 0
+        for shard in self.shards:
+            for suffix, key in ((".bin", "bin_sha256"), (".idx", "idx_sha256")):
+                path = self._file(shard, suffix)
+                actual = file_sha256(path)
+                if actual != shard[key]:
+                    raise ShardChecksumError(
+                        f"{path}: checksum mismatch (sha256 {actual}, manifest says {shard[key]}); "
+                        "the file is corrupted: rerun `tokenmill tokenize` to rewrite it"
+                    )
+                checked += os.path.getsize(path)
+        return checked
+
+    def __len__(self) -> int:
+        return self.num_documents
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenShards({self.path!r}: {self.num_documents} documents, {self.num_tokens} tokens, "
+            f"{len(self.shards)} shards, {self.dtype.name})"
+        )
+
+    def document_bounds(self, i: int) -> tuple[int, int]:
+        """(start, stop) of document i in the cell's token stream; stop is past its end-of-text id."""
+        if i < 0:
+            i += self.num_documents
+        if not 0 <= i < self.num_documents:
+            raise IndexError(f"document {i} out of range: the cell has {self.num_documents}")
+        shard = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
+        local = i - int(self._doc_starts[shard])
+        idx = self._idxs[shard]
+        start = int(idx[local - 1]) if local else 0
+        base = int(self._token_starts[shard])
+        return base + start, base + int(idx[local])
+
+    def document(self, i: int) -> np.ndarray:
+        """Token ids of document i, without its end-of-text id (a read-only view, no copy)."""
+        start, stop = self.document_bounds(i)
+        return self.tokens(start, stop - 1)
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the cell's stream; a view within one shard, a copy across shards."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"token range [{start}, {stop}) out of range: the cell has {self.num_tokens}")
+        first = max(int(np.searchsorted(self._token_starts, start, side="right")) - 1, 0)
+        pieces = []
+        shard = first
+        while start < stop:
+            base = int(self._token_starts[shard])
+            end = min(stop, int(self._token_starts[shard + 1]))
+            pieces.append(np.asarray(self._bins[shard][start - base : end - base]))
+            start = end
+            shard += 1
+        if not pieces:
+            return np.zeros(0, dtype=self.dtype)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i in range(self.num_documents):
+            yield self.document(i)
+
+
+class TokenCatalog:
+    """All cells of a tokens/ folder, through counts.json; cells open on first use, with the same checks.
+
+    Every cell must carry the tokenizer that counts.json names (and the caller's, when given), and the
+    counts that counts.json lists for it, so a catalog never mixes tokenizers or plans against stale counts.
+    """
+
+    def __init__(self, tokens_dir: str, expected_tokenizer_sha256: str | None = None, verify: bool = False) -> None:
+        self.path = storage.local_path(tokens_dir).rstrip("/")
+        counts_path = os.path.join(self.path, COUNTS)
+        if not os.path.exists(counts_path):
+            raise ShardError(f"{counts_path}: missing (run `tokenmill tokenize` to the end first)")
+        self.counts: dict[str, Any] = storage.read_json(counts_path)
+        check_format_version(self.counts.get("format_version"), counts_path)
+        self.tokenizer: dict[str, Any] = self.counts["tokenizer"]
+        check_tokenizer(self.tokenizer["sha256"], expected_tokenizer_sha256, counts_path, self.tokenizer.get("name", ""))
+        self.tokenizer_sha256: str = self.tokenizer["sha256"]
+        self.total_tokens: int = int(self.counts["total_tokens"])
+        self.total_documents: int = int(self.counts["total_documents"])
+        self._verify = verify
+        self._open: dict[str, TokenShards] = {}
+
+    @property
+    def cells(self) -> list[str]:
+        return sorted(self.counts["cells"])
+
+    def tokens_in(self, cell: str) -> int:
+        return int(self.counts["cells"][cell]["tokens"])
+
+    def match(self, pattern: str) -> list[str]:
+        """Cells whose name matches a mixture pattern such as `domain=code/*`."""
+        return [cell for cell in self.cells if fnmatch.fnmatchcase(cell, pattern.strip("/"))]
+
+    def __contains__(self, cell: object) -> bool:
+        return cell in self.counts["cells"]
+
+    def __len__(self) -> int:
+        return len(self.counts["cells"])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.cells)
+
+    def __getitem__(self, cell: str) -> TokenShards:
+        if cell not in self._open:
+            if cell not in self.counts["cells"]:
+                raise KeyError(f"{cell!r} is not in {os.path.join(self.path, COUNTS)}")
+            entry = self.counts["cells"][cell]
+            manifest_dir = os.path.dirname(os.path.join(self.path, entry.get("manifest", f"{cell}/{MANIFEST}")))
+            shards = TokenShards(manifest_dir, expected_tokenizer_sha256=self.tokenizer_sha256, verify=self._verify)
+            if shards.num_tokens != int(entry["tokens"]) or shards.num_documents != int(entry["documents"]):
+                raise ShardError(
+                    f"{os.path.join(self.path, COUNTS)}: lists {entry['tokens']} tokens / {entry['documents']} "
+                    f"documents for {cell}, but its manifest has {shards.num_tokens} / {shards.num_documents}"
+                )
+            self._open[cell] = shards
+        return self._open[cell]

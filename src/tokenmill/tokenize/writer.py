@@ -1,0 +1,213 @@
+"""The shard writer: one curated Parquet file in, one token shard out, resumable and checksummed.
+
+A shard is a deterministic function of its source file and the tokenizer, so a rerun can keep any shard
+that is provably complete and redo the rest. The .bin and .idx are streamed (bounded memory) to temporary
+names, renamed into place, and only then is the shard's done marker (`part-<n>.done.json`) written,
+atomically and last. A shard counts as complete only when its marker names the same format version,
+tokenizer, and source file (by sha256), and both files still hash to what the marker records, so a shard
+cut short by a kill, or damaged since, is never counted and is written again.
+
+Manifests and counts.json are built from the markers, with sorted keys and no timestamps, so a run that
+was killed and resumed leaves the same bytes as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tokenmill import storage
+from tokenmill.tokenize.shards import COUNTS, DTYPES, FORMAT_VERSION, INDEX_DTYPE, MANIFEST, file_sha256, shard_name
+from tokenmill.tokenize.tokenizer import TokenizerInfo
+
+DONE_SUFFIX = ".done.json"
+DEFAULT_BATCH_DOCUMENTS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardTask:
+    """One unit of work: the n-th Parquet file (sorted) of a cell becomes part-<n> of that cell."""
+
+    cell: str
+    index: int
+    source: str
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.index)
+
+    def path(self, output: str, suffix: str) -> str:
+        return storage.join(output, self.cell, self.name + suffix)
+
+
+def read_marker(path: str) -> dict[str, Any] | None:
+    if not storage.exists(path):
+        return None
+    try:
+        return storage.read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+def completed_marker(task: ShardTask, output: str, info: TokenizerInfo, source_sha256: str) -> dict[str, Any] | None:
+    """The shard's done marker if the shard on disk is complete and verified for this input, else None."""
+    marker = read_marker(task.path(output, DONE_SUFFIX))
+    if marker is None:
+        return None
+    expected = {
+        "format_version": FORMAT_VERSION,
+        "cell": task.cell,
+        "name": task.name,
+        "tokenizer_sha256": info.sha256,
+        "dtype": info.dtype,
+        "eos_id": info.eos_id,
+        "source_files": [os.path.basename(task.source)],
+        "source_sha256": source_sha256,
+    }
+    if any(marker.get(key) != value for key, value in expected.items()):
+        return None
+    for suffix, key in ((".bin", "bin_sha256"), (".idx", "idx_sha256")):
+        path = task.path(output, suffix)
+        if not storage.exists(path) or file_sha256(path) != marker.get(key):
+            return None
+    return marker
+
+
+class _HashingSink:
+    """Writes arrays to an open file and hashes the same bytes, so no second pass over the file is needed."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.digest = hashlib.sha256()
+
+    def write(self, array: np.ndarray) -> None:
+        view = memoryview(np.ascontiguousarray(array)).cast("B")
+        self.handle.write(view)
+        self.digest.update(view)
+
+
+def tokenize_file(
+    task: ShardTask,
+    output: str,
+    tokenizer,
+    info: TokenizerInfo,
+    source_sha256: str,
+    batch_documents: int = DEFAULT_BATCH_DOCUMENTS,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Tokenize one source file into part-<n>.bin/.idx, then write its done marker; returns the marker."""
+    import pyarrow.parquet as pq
+
+    dtype = DTYPES[info.dtype]
+    eos = info.eos_id
+    # encode_batch_fast skips character offsets, which shards do not keep; same ids as encode_batch.
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    documents = 0
+    tokens = 0
+    with (
+        storage.open_file(task.source, "rb") as source,
+        storage.atomic_write(task.path(output, ".bin")) as bin_handle,
+        storage.atomic_write(task.path(output, ".idx")) as idx_handle,
+    ):
+        bin_sink, idx_sink = _HashingSink(bin_handle), _HashingSink(idx_handle)
+        parquet = pq.ParquetFile(source)
+        for batch in parquet.iter_batches(batch_size=batch_documents, columns=["text"]):
+            texts = batch.column(0).to_pylist()
+            if any(text is None for text in texts):
+                row = documents + texts.index(None)
+                raise ValueError(f"{task.source}: row {row} has no text (curated documents always have text)")
+            flat: list[int] = []
+            ends = np.empty(len(texts), dtype=np.int64)
+            for position, encoding in enumerate(encode(texts, add_special_tokens=False)):
+                flat.extend(encoding.ids)
+                flat.append(eos)
+                ends[position] = len(flat)
+            bin_sink.write(np.array(flat, dtype=dtype))
+            idx_sink.write((ends + tokens).astype(INDEX_DTYPE))
+            documents += len(texts)
+            tokens += len(flat)
+            if on_batch is not None:
+                on_batch(len(texts), len(flat))
+    marker = {
+        "format_version": FORMAT_VERSION,
+        "cell": task.cell,
+        "name": task.name,
+        "documents": documents,
+        "tokens": tokens,
+        "bin_sha256": bin_sink.digest.hexdigest(),
+        "idx_sha256": idx_sink.digest.hexdigest(),
+        "tokenizer_sha256": info.sha256,
+        "dtype": info.dtype,
+        "eos_id": info.eos_id,
+        "source_files": [os.path.basename(task.source)],
+        "source_sha256": source_sha256,
+    }
+    # Last, so that a marker always describes files that are fully in place.
+    storage.write_json(task.path(output, DONE_SUFFIX), marker)
+    return marker
+
+
+def process_shard(
+    task: ShardTask,
+    output: str,
+    tokenizer,
+    info: TokenizerInfo,
+    batch_documents: int = DEFAULT_BATCH_DOCUMENTS,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> tuple[dict[str, Any], bool]:
+    """Keep the shard if complete and verified, else (re)write it; returns (marker, whether it was written)."""
+    source_sha256 = file_sha256(task.source)
+    marker = completed_marker(task, output, info, source_sha256)
+    if marker is not None:
+        return marker, False
+    return tokenize_file(task, output, tokenizer, info, source_sha256, batch_documents, on_batch), True
+
+
+def shard_entry(marker: dict[str, Any]) -> dict[str, Any]:
+    keys = ("name", "documents", "tokens", "bin_sha256", "idx_sha256", "source_files")
+    return {key: marker[key] for key in keys}
+
+
+def build_manifest(cell: str, markers: list[dict[str, Any]], info: TokenizerInfo) -> dict[str, Any]:
+    shards = [shard_entry(m) for m in sorted(markers, key=lambda m: m["name"])]
+    return {
+        "format_version": FORMAT_VERSION,
+        "cell": cell,
+        "tokenizer": info.manifest_entry(),
+        "dtype": info.dtype,
+        "eos_id": info.eos_id,
+        "documents": sum(s["documents"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "shards": shards,
+    }
+
+
+def write_manifest(output: str, cell: str, markers: list[dict[str, Any]], info: TokenizerInfo) -> dict[str, Any]:
+    manifest = build_manifest(cell, markers, info)
+    storage.write_json(storage.join(output, cell, MANIFEST), manifest)
+    return {"cell": cell, "tokens": manifest["tokens"], "documents": manifest["documents"]}
+
+
+def build_counts(cells: list[dict[str, Any]], info: TokenizerInfo) -> dict[str, Any]:
+    entries = {
+        c["cell"]: {"tokens": c["tokens"], "documents": c["documents"], "manifest": f"{c['cell']}/{MANIFEST}"}
+        for c in sorted(cells, key=lambda c: c["cell"])
+    }
+    return {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": info.manifest_entry(),
+        "total_tokens": sum(e["tokens"] for e in entries.values()),
+        "total_documents": sum(e["documents"] for e in entries.values()),
+        "cells": entries,
+    }
+
+
+def write_counts(output: str, cells: list[dict[str, Any]], info: TokenizerInfo) -> dict[str, Any]:
+    counts = build_counts(cells, info)
+    storage.write_json(storage.join(output, COUNTS), counts)
+    return counts
