@@ -54,6 +54,10 @@ class MixtureError(ValueError):
         super().__init__("; ".join(str(issue) for issue in self.issues))
 
 
+class NeedsCounts(MixtureError):
+    """Planning needs tokens/counts.json: some weighted source has cells but no declared count."""
+
+
 class Lines:
     """Line numbers (1-based) of the values and keys of a composed YAML document, by path."""
 
@@ -62,16 +66,21 @@ class Lines:
         self.values: dict[Path, int] = {}
         self.keys: dict[Path, int] = {}
 
-    def line(self, path: Path, key: bool = False) -> int | None:
-        """The line of the value (or key) at path, else of the nearest enclosing value that has one."""
-        if key and path in self.keys:
-            return self.keys[path]
+    def line(self, path: Path) -> int | None:
+        """The line of the key at path (where the path ends in a key), else of its value; for a path
+        that was never written (a missing field), the line of the nearest enclosing one.
+
+        The key's line is the better pointer: for `weights:` followed by an indented block, the value
+        starts a line later than the name a user looks for.
+        """
         while True:
+            if path in self.keys:
+                return self.keys[path]
             if path in self.values:
                 return self.values[path]
             if not path:
                 return None
             path = path[:-1]
 
-    def issue(self, path: Path, message: str, key: bool = False) -> Issue:
-        return Issue(format_path(path), message, self.line(path, key=key), self.file)
+    def issue(self, path: Path, message: str) -> Issue:
+        return Issue(format_path(path), message, self.line(path), self.file)

@@ -134,5 +134,7 @@ def load_yaml(text: str, file: str | None = None) -> tuple[Any, Lines]:
         raise MixtureError([Issue("", "empty file: a mixture is a mapping of fields", 1, file)])
     if len(documents) > 1:
         second = documents[1].start_mark.line + 1
-        raise MixtureError([Issue("", "more than one YAML document ('---'); give one mixture per file", second, file)])
+        raise MixtureError(
+            [Issue("", "more than one YAML document ('---'); give one mixture per file", second, file)]
+        )
     return _Converter(lines).convert(documents[0], (), 0), lines

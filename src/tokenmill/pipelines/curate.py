@@ -275,8 +275,9 @@ class WriteStats(beam.DoFn):
     def __init__(self, run: CurateRun):
         self.run = run
 
-    def process(self, entries):
+    def process(self, entries, files):
         stats = build_stats(sorted(entries), self.run)
+        stats["files"] = {f"{folder}/{relative}": rows for folder, (relative, rows) in sorted(files)}
         storage.write_json(storage.join(self.run.output, "stats.json"), stats)
         yield stats
 
@@ -325,15 +326,16 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
 
     target = recipe.target_file_bytes
     doc_bytes = lambda document: len(document.get("text") or "") + 64  # noqa: E731
-    (
+    curated_files = (
         kept
         | "KeyByCell" >> beam.Map(lambda d: (cell_name(d["domain"], int(d["quality"])), _row(d, DOCUMENT_SCHEMA)))
         | "WriteCurated" >> WritePartitioned(
             storage.join(run.output, "curated"), ".parquet",
             lambda path, rows: write_parquet(path, rows, DOCUMENT_SCHEMA),
             lambda row: row["id"], doc_bytes, target)
+        | "CuratedFolder" >> beam.Map(lambda written: ("curated", written))
     )
-    (
+    removed_files = (
         removed
         | "KeyByReason" >> beam.Map(lambda d: (f"stage={_safe(d['stage'])}/reason={_safe(d['reason'])}",
                                                _row(d, REMOVED_SCHEMA)))
@@ -341,14 +343,16 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
             storage.join(run.output, "removed"), ".parquet",
             lambda path, rows: write_parquet(path, rows, REMOVED_SCHEMA),
             lambda row: row["id"], doc_bytes, target)
+        | "RemovedFolder" >> beam.Map(lambda written: ("removed", written))
     )
-    (
+    rejected_files = (
         rejected
         | "KeyRejected" >> beam.Map(lambda r: ("", {k: v for k, v in r.items() if k != "source"}))
         | "WriteRejected" >> WritePartitioned(
             storage.join(run.output, "rejected"), ".jsonl.zst", write_jsonl_zst,
             lambda r: f"{r['file']}\x00{r['line'] or 0:012d}\x00{r['offset'] or 0:015d}",
             lambda r: len(r.get("raw") or r.get("raw_base64") or "") + 256, target)
+        | "RejectedFolder" >> beam.Map(lambda written: ("rejected", written))
     )
 
     outcome_stats = (
@@ -357,11 +361,17 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         (rejected | "RejectedStats" >> beam.FlatMap(_stat_entries, "rejected", chars_per_token)),
         read_stats,
     ) | "AllStats" >> beam.Flatten()
+    # stats.json marks a finished run, so it waits for every file: the file list is its side input.
+    files = (
+        (curated_files, removed_files, rejected_files)
+        | "AllFiles" >> beam.Flatten()
+        | "FileList" >> beam.combiners.ToList()
+    )
     (
         outcome_stats
         | "SumStats" >> beam.CombinePerKey(_sum_triples)
         | "StatsList" >> beam.combiners.ToList()
-        | "WriteStats" >> beam.ParDo(WriteStats(run))
+        | "WriteStats" >> beam.ParDo(WriteStats(run), files=beam.pvalue.AsSingleton(files))
     )
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import base64
 import gzip
-import io
 import json
 import os
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import IO
 
 import zstandard
 
@@ -105,48 +105,91 @@ def _field_problem(record: object, fields: InputFields) -> tuple[str, str] | Non
     return None
 
 
-def _open_decompressed(path: str, compression: str) -> io.BufferedReader:
-    raw = storage.open_file(path, "rb")
-    if compression == ".zst":
-        # read_across_frames: files made by concatenating zstd frames are valid zstd.
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True,
-                                                                            closefd=True))
-    if compression == ".gz":
-        return io.BufferedReader(gzip.GzipFile(fileobj=raw))
-    return io.BufferedReader(raw)
+class TruncatedInput(Exception):
+    """A compressed stream that ends inside a frame."""
+
+
+READ_CHUNK = 1 << 20
+
+
+def _zstd_chunks(raw: IO[bytes]) -> Iterator[bytes]:
+    """Decompressed zstd data, frame after frame (concatenated frames are valid zstd).
+
+    zstandard's stream reader treats a stream that stops inside a frame as a clean end; a decompressobj
+    tells the two apart (`eof` is set only when a frame is complete), so truncation is caught here.
+    """
+    decompressor = zstandard.ZstdDecompressor()
+    frame = decompressor.decompressobj()
+    frame_open = False
+    while chunk := raw.read(READ_CHUNK):
+        while chunk:
+            frame_open = True
+            output = frame.decompress(chunk)
+            if output:
+                yield output
+            if frame.eof:
+                chunk = frame.unused_data
+                frame = decompressor.decompressobj()
+                frame_open = False
+            else:
+                chunk = b""
+    if frame_open:
+        raise TruncatedInput("zstd stream ends inside a frame")
+
+
+def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            yield line + b"\n"
+    if pending:
+        yield pending
+
+
+def _raw_lines(path: str, compression: str) -> Iterator[bytes]:
+    with storage.open_file(path, "rb") as raw:
+        if compression == ".zst":
+            yield from _lines(_zstd_chunks(raw))
+        elif compression == ".gz":
+            # gzip raises EOFError itself when the stream stops before its end-of-stream marker.
+            with gzip.GzipFile(fileobj=raw) as stream:
+                yield from stream
+        else:
+            yield from raw
 
 
 def read_jsonl(path: str, compression: str, fields: InputFields) -> Iterator[dict]:
     line_number = 0
     offset = 0
     try:
-        with _open_decompressed(path, compression) as stream:
-            for raw_line in stream:
-                line_number += 1
-                line_offset = offset
-                offset += len(raw_line)
-                stripped = raw_line.strip()
-                if not stripped:
-                    continue  # blank lines are separators, not records
-                try:
-                    line_text = stripped.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    yield rejected(path, "bad_utf8", f"{path}:{line_number}: invalid UTF-8 ({error.reason} at "
-                                   f"byte {error.start})", raw_line, line=line_number, offset=line_offset)
-                    continue
-                try:
-                    record = json.loads(line_text)
-                except json.JSONDecodeError as error:
-                    yield rejected(path, "bad_json", f"{path}:{line_number}: malformed JSON: {error.msg} at "
-                                   f"column {error.colno}", raw_line, line=line_number, offset=line_offset)
-                    continue
-                problem = _field_problem(record, fields)
-                if problem:
-                    yield rejected(path, problem[0], f"{path}:{line_number}: {problem[1]}", raw_line,
-                                   line=line_number, offset=line_offset)
-                    continue
-                yield make_document(record, path, f"L{line_number}", fields)
-    except (zstandard.ZstdError, EOFError, gzip.BadGzipFile, zlib.error, OSError) as error:
+        for raw_line in _raw_lines(path, compression):
+            line_number += 1
+            line_offset = offset
+            offset += len(raw_line)
+            stripped = raw_line.strip()
+            if not stripped:
+                continue  # blank lines are separators, not records
+            try:
+                line_text = stripped.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield rejected(path, "bad_utf8", f"{path}:{line_number}: invalid UTF-8 ({error.reason} at "
+                               f"byte {error.start})", raw_line, line=line_number, offset=line_offset)
+                continue
+            try:
+                record = json.loads(line_text)
+            except json.JSONDecodeError as error:
+                yield rejected(path, "bad_json", f"{path}:{line_number}: malformed JSON: {error.msg} at "
+                               f"column {error.colno}", raw_line, line=line_number, offset=line_offset)
+                continue
+            problem = _field_problem(record, fields)
+            if problem:
+                yield rejected(path, problem[0], f"{path}:{line_number}: {problem[1]}", raw_line,
+                               line=line_number, offset=line_offset)
+                continue
+            yield make_document(record, path, f"L{line_number}", fields)
+    except (TruncatedInput, zstandard.ZstdError, EOFError, gzip.BadGzipFile, zlib.error, OSError) as error:
         # A truncated or corrupt compressed stream: what decoded before the damage was read above.
         yield rejected(path, "truncated", f"{path}: compressed stream ends or breaks after {offset} "
                        f"decompressed bytes (line {line_number + 1}): {error}", line=line_number + 1,

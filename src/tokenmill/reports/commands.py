@@ -1,9 +1,148 @@
-"""Subcommands of the reports stage (none yet)."""
+"""Subcommands of the reports stage: `tokenmill report` builds the public data-overview site."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+from typing import Any
+
+from tokenmill import storage
+from tokenmill.units import format_count
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add this stage's subcommands to the `tokenmill` parser."""
+    parser = subparsers.add_parser(
+        "report",
+        help="build the static data-overview site (and a run page)",
+        description=(
+            "Build a static site that opens from disk or a bucket: tokens per domain and quality, sample "
+            "documents, the curation funnel, the mixture per phase, and with --run the training curves."
+        ),
+    )
+    parser.add_argument(
+        "--curated", required=True, metavar="DIR", help="curate's output folder (or its curated/)"
+    )
+    parser.add_argument(
+        "--tokens", required=True, metavar="DIR", help="tokenize's output folder (counts.json)"
+    )
+    plan = parser.add_mutually_exclusive_group(required=True)
+    plan.add_argument(
+        "--mixture", metavar="FILE", help="mixture spec (YAML), planned against the tokens' counts"
+    )
+    plan.add_argument("--plan", metavar="FILE", help="a precomputed plan (`tokenmill mixture plan --json`)")
+    previous = parser.add_mutually_exclusive_group()
+    previous.add_argument(
+        "--previous-mixture", metavar="FILE", help="an earlier mixture spec, to show what changed"
+    )
+    previous.add_argument(
+        "--previous-plan", metavar="FILE", help="an earlier precomputed plan, to show what changed"
+    )
+    parser.add_argument(
+        "--run", metavar="DIR", help="a run folder (runs/NAME) with metrics.jsonl: adds run.html"
+    )
+    parser.add_argument(
+        "--output", default="site", metavar="DIR", help="where to write the site (default: site)"
+    )
+    parser.add_argument(
+        "--samples-per-cell", type=int, default=5, metavar="N", help="sample documents per cell"
+    )
+    parser.add_argument(
+        "--preview-chars", type=int, default=400, metavar="N", help="characters shown per sample"
+    )
+    parser.add_argument(
+        "--removed-examples", type=int, default=3, metavar="N", help="examples per removal reason"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sample draws (default 0)")
+    parser.add_argument("--title", default="Data overview", help="page title")
+    parser.set_defaults(handler=run_report)
+
+
+def _load_plan_file(path: str, what: str) -> dict[str, Any]:
+    from tokenmill.cli import UsageError
+
+    if not storage.exists(path):
+        raise UsageError(f"{what} {path}: no such file")
+    try:
+        with storage.open_file(path, "rb") as handle:
+            return json.loads(handle.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"{what} {path}: not valid JSON ({error})") from error
+
+
+def _plan_mixture(path: str, tokens: str) -> dict[str, Any]:
+    """Plan a mixture spec against the tokens' counts.json with tokenmill.mixtures (imported only here)."""
+    from tokenmill.cli import UsageError
+
+    if not storage.exists(path):
+        raise UsageError(f"mixture {path}: no such file")
+    try:
+        from tokenmill.mixtures import load_mixture, plan_mixture  # type: ignore[attr-defined]
+    except ImportError as error:
+        raise UsageError(
+            f"cannot plan {path}: tokenmill.mixtures has no planner in this version ({error}); "
+            "pass a precomputed plan with --plan FILE.json"
+        ) from error
+    counts_path = storage.join(tokens, "counts.json")
+    if not storage.exists(counts_path):
+        raise UsageError(f"{tokens}: no counts.json here (expected the tokenize output folder)")
+    try:
+        plan = plan_mixture(load_mixture(path), storage.read_json(counts_path))
+    except (ValueError, KeyError) as error:
+        raise UsageError(f"mixture {path}: {error}") from error
+    result = plan.to_json() if hasattr(plan, "to_json") else plan
+    return json.loads(result) if isinstance(result, str | bytes) else result
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from tokenmill.cli import UsageError
+    from tokenmill.reports.inputs import InputError
+    from tokenmill.reports.overview import OverviewOptions
+    from tokenmill.reports.site import build_site
+
+    for name in ("samples_per_cell", "preview_chars", "removed_examples"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be 0 or more")
+    for flag, path in (("--curated", args.curated), ("--tokens", args.tokens), ("--run", args.run)):
+        if path is not None and not storage.exists(path):
+            raise UsageError(f"{flag} {path}: no such folder")
+    if args.plan:
+        plan, origin = _load_plan_file(args.plan, "plan"), args.plan
+    else:
+        plan, origin = _plan_mixture(args.mixture, args.tokens), args.mixture
+    previous = None
+    if args.previous_plan:
+        previous = _load_plan_file(args.previous_plan, "previous plan")
+    elif args.previous_mixture:
+        previous = _plan_mixture(args.previous_mixture, args.tokens)
+    options = OverviewOptions(
+        samples_per_cell=args.samples_per_cell,
+        preview_chars=args.preview_chars,
+        removed_examples=args.removed_examples,
+        rejected_examples=args.removed_examples,
+        seed=args.seed,
+    )
+    try:
+        result = build_site(
+            curated=args.curated,
+            tokens=args.tokens,
+            plan=plan,
+            output=args.output,
+            previous_plan=previous,
+            run=args.run,
+            options=options,
+            title=args.title,
+            plan_origin=origin,
+        )
+    except InputError as error:
+        raise UsageError(str(error)) from error
+    total = sum(result.files.values())
+    print(
+        f"wrote {storage.join(args.output, 'index.html')}"
+        + (f" and {storage.join(args.output, 'run.html')}" if "run.html" in result.files else "")
+        + f": {len(result.files)} files, {format_count(total)}B (index.html {format_count(result.index_bytes)}B)"
+    )
+    return 0

@@ -53,10 +53,14 @@ def locate_curate_output(path: str) -> CurateLayout:
     elif storage.exists(path) and os.path.basename(path) == "curated":
         root = os.path.dirname(path) if storage.is_local(path) else path.rsplit("/", 1)[0]
         curated = path
-    elif storage.exists(path) and storage.expand_glob(storage.join(path, "domain=*", "quality=*", "*.parquet")):
+    elif storage.exists(path) and storage.expand_glob(
+        storage.join(path, "domain=*", "quality=*", "*.parquet")
+    ):
         root, curated = path, path
     else:
-        raise InputError(f"{path}: no curated output here (expected {path}/curated/domain=*/quality=*/*.parquet)")
+        raise InputError(
+            f"{path}: no curated output here (expected {path}/curated/domain=*/quality=*/*.parquet)"
+        )
     return CurateLayout(
         curated=curated,
         removed=storage.join(root, "removed"),
@@ -180,7 +184,9 @@ def scan_cell(cell: str, files: Sequence[str], *, samples: int, seed: int) -> Ce
         scan.documents += table.num_rows
         scan.characters += int(pc.sum(table["n_chars"]).as_py() or 0)
     indices = sample_indices(scan.documents, samples, seed, cell)
-    scan.samples = read_rows(files, indices, ["id", "text", "source", "url", "n_chars", "quality_score", "language"])
+    scan.samples = read_rows(
+        files, indices, ["id", "text", "source", "url", "n_chars", "quality_score", "language"]
+    )
     scan.sources = dict(sorted(scan.sources.items()))
     return scan
 
@@ -234,7 +240,9 @@ def scan_rejected(rejected_dir: str, *, examples: int, seed: int) -> dict[str, d
             lines = _jsonl_zst_lines(path)
         else:
             with storage.open_file(path) as handle:
-                lines = list(enumerate((line for line in handle.read().splitlines() if line.strip()), start=1))
+                lines = list(
+                    enumerate((line for line in handle.read().splitlines() if line.strip()), start=1)
+                )
         try:
             for number, line in lines:
                 try:
@@ -242,7 +250,9 @@ def scan_rejected(rejected_dir: str, *, examples: int, seed: int) -> dict[str, d
                 except (json.JSONDecodeError, UnicodeDecodeError) as error:
                     raise InputError(f"{path}: line {number} is not JSON ({error})") from error
                 kind = str(record.get("error_kind") or "unknown")
-                entry = kinds.setdefault(kind, {"documents": 0, "examples": [], "rng": seeded_rng(seed, kind)})
+                entry = kinds.setdefault(
+                    kind, {"documents": 0, "examples": [], "rng": seeded_rng(seed, kind)}
+                )
                 entry["documents"] += 1
                 example = _rejected_example(record)
                 # Reservoir sampling: each record of a kind ends up in the examples with equal chance.
@@ -271,9 +281,8 @@ def _rejected_example(record: dict[str, Any]) -> dict[str, Any]:
         "error": record.get("error"),
         "raw": raw[:RAW_PREVIEW_BYTES] if isinstance(raw, str) else None,
         "raw_base64": encoded[:RAW_PREVIEW_BYTES] if isinstance(encoded, str) else None,
-        "raw_truncated": bool(record.get("raw_truncated")) or any(
-            isinstance(v, str) and len(v) > RAW_PREVIEW_BYTES for v in (raw, encoded)
-        ),
+        "raw_truncated": bool(record.get("raw_truncated"))
+        or any(isinstance(v, str) and len(v) > RAW_PREVIEW_BYTES for v in (raw, encoded)),
     }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tokenmill import storage
-from tokenmill.cells import QUALITY_BUCKETS, cell_name, parse_cell
+from tokenmill.cells import QUALITY_BUCKETS, parse_cell
 from tokenmill.reports import svg
 from tokenmill.reports.inputs import (
     CellScan,
@@ -91,7 +91,9 @@ def _manifest_path(tokens_dir: str, cell: str, entry: dict[str, Any]) -> str:
 def load_counts(tokens_dir: str) -> dict[str, Any]:
     counts = read_json_file(storage.join(tokens_dir, "counts.json"), "token counts (counts.json)")
     if not isinstance(counts, dict) or not isinstance(counts.get("cells"), dict):
-        raise InputError(f"{storage.join(tokens_dir, 'counts.json')}: no 'cells' object (see docs/formats.md)")
+        raise InputError(
+            f"{storage.join(tokens_dir, 'counts.json')}: no 'cells' object (see docs/formats.md)"
+        )
     for cell in counts["cells"]:
         try:
             parse_cell(cell)
@@ -217,10 +219,15 @@ def build_overview(
                 ),
                 "sources": source_rows,
                 "source_bar": svg.stacked_bar(
-                    [svg.Segment(s["name"], s["tokens"], f"≈{s['tokens_text']} tokens ({s['share']})") for s in source_rows],
+                    [
+                        svg.Segment(s["name"], s["tokens"], f"≈{s['tokens_text']} tokens ({s['share']})")
+                        for s in source_rows
+                    ],
                     width=360,
                 ),
-                "search": " ".join([name, *(s["name"] for s in source_rows), *(q["cell"] for q in qualities)]),
+                "search": " ".join(
+                    [name, *(s["name"] for s in source_rows), *(q["cell"] for q in qualities)]
+                ),
                 "sample_count": sum(len(q["samples"]) for q in qualities),
             }
         )
@@ -247,7 +254,9 @@ def build_overview(
     headline = {
         "tokens": total_tokens,
         "tokens_text": format_count(total_tokens),
-        "documents": int(counts.get("total_documents", sum(int(e.get("documents", 0)) for e in counts["cells"].values()))),
+        "documents": int(
+            counts.get("total_documents", sum(int(e.get("documents", 0)) for e in counts["cells"].values()))
+        ),
         "sources": len(all_sources),
         "domains": len(cards),
         "cells": len([c for c in all_cells if cell_tokens.get(c, 0) > 0]),
@@ -256,7 +265,11 @@ def build_overview(
         "tokenizer": counts.get("tokenizer") or {},
     }
 
-    stats = read_json_file(layout.stats, "curate statistics (stats.json)") if storage.exists(layout.stats) else None
+    stats = (
+        read_json_file(layout.stats, "curate statistics (stats.json)")
+        if storage.exists(layout.stats)
+        else None
+    )
     removed = scan_removed(layout.removed, examples=options.removed_examples, seed=options.seed)
     rejected = scan_rejected(layout.rejected, examples=options.rejected_examples, seed=options.seed)
     funnel = build_funnel(stats, removed, rejected, options)
@@ -283,7 +296,11 @@ def build_overview(
                 "tokens": card["tokens"],
                 "documents": card["documents"],
                 "sources": {
-                    s["name"]: {"documents": s["documents"], "characters": s["characters"], "tokens_estimated": s["tokens"]}
+                    s["name"]: {
+                        "documents": s["documents"],
+                        "characters": s["characters"],
+                        "tokens_estimated": s["tokens"],
+                    }
                     for s in card["sources"]
                 },
             }
@@ -338,7 +355,10 @@ def build_funnel(
             previous = documents
     chart = (
         svg.bar_chart(
-            [svg.Bar(s["stage"], s["documents"], f"{s['documents']:,} docs · {s['tokens_text']} tok") for s in stages],
+            [
+                svg.Bar(s["stage"], s["documents"], f"{s['documents']:,} docs · {s['tokens_text']} tok")
+                for s in stages
+            ],
             title="Documents left after each curation stage",
             width=720,
         )
@@ -379,7 +399,10 @@ def build_funnel(
                 "kind": kind,
                 "documents": int((by_error.get(kind) or {}).get("documents", scanned.get("documents", 0))),
                 "examples": [
-                    {**e, "raw": preview(e["raw"], options.preview_chars)[0] if e["raw"] is not None else None}
+                    {
+                        **e,
+                        "raw": preview(e["raw"], options.preview_chars)[0] if e["raw"] is not None else None,
+                    }
                     for e in scanned.get("examples", [])
                 ],
             }
@@ -468,13 +491,16 @@ def build_mixture(
                 "end_step": int(phase["end_step"]),
                 "sources": sources,
                 "bar": svg.stacked_bar(
-                    [svg.Segment(s["name"], s["weight"], s["weight_text"], s["color"]) for s in sources], width=880
+                    [svg.Segment(s["name"], s["weight"], s["weight_text"], s["color"]) for s in sources],
+                    width=880,
                 ),
             }
         )
     timeline = svg.timeline(
         [
-            svg.Span(p["name"], p["start_step"], p["end_step"], f"{p['tokens_text']} tokens, {p['steps']:,} steps")
+            svg.Span(
+                p["name"], p["start_step"], p["end_step"], f"{p['tokens_text']} tokens, {p['steps']:,} steps"
+            )
             for p in phases
         ],
         title="Phase boundaries (training steps)",
@@ -505,19 +531,27 @@ def build_mixture(
         raw = diff_plans(previous, plan)
         diff = {
             "changed": raw["changed"],
-            "settings": [{**f, "old": _fmt_number(f["old"]), "new": _fmt_number(f["new"])} for f in raw["settings"]],
+            "settings": [
+                {**f, "old": _fmt_number(f["old"]), "new": _fmt_number(f["new"])} for f in raw["settings"]
+            ],
             "phases": [
                 {
                     **p,
-                    "fields": [{**f, "old": _fmt_number(f["old"]), "new": _fmt_number(f["new"])} for f in p["fields"]],
+                    "fields": [
+                        {**f, "old": _fmt_number(f["old"]), "new": _fmt_number(f["new"])} for f in p["fields"]
+                    ],
                     "sources": [
                         {
                             **s,
                             "fields": [
                                 {
                                     **f,
-                                    "old": _fmt_weight(f) if f["field"] == "weight" else _fmt_number(f["old"]),
-                                    "new": _fmt_weight(f, new=True) if f["field"] == "weight" else _fmt_number(f["new"]),
+                                    "old": _fmt_weight(f)
+                                    if f["field"] == "weight"
+                                    else _fmt_number(f["old"]),
+                                    "new": _fmt_weight(f, new=True)
+                                    if f["field"] == "weight"
+                                    else _fmt_number(f["new"]),
                                 }
                                 for f in s["fields"]
                             ],
@@ -537,7 +571,10 @@ def build_mixture(
         "batch_size": plan.get("batch_size"),
         "block_size": plan.get("block_size"),
         "tokens_per_step": plan.get("tokens_per_step"),
-        "total_steps": max((p["end_step"] for p in phases), default=0),
+        "total_steps": int(plan.get("total_steps") or max((p["end_step"] for p in phases), default=0)),
+        "description": plan.get("description"),
+        "warnings": [str(w) for w in plan.get("warnings") or []],
+        "illustrative": bool(plan.get("illustrative")),
         "phases": phases,
         "phase_names": phase_names,
         "timeline": timeline,
@@ -551,6 +588,3 @@ def _fmt_weight(field: dict[str, Any], new: bool = False) -> str:
     value = field["new"] if new else field["old"]
     return f"{100 * float(value):.2f}%" if isinstance(value, int | float) else str(value)
 
-
-def quality_cell(domain: str, quality: int) -> str:
-    return cell_name(domain, quality)

@@ -42,7 +42,9 @@ def validate_plan(plan: Any, origin: str) -> dict[str, Any]:
     return plan
 
 
-def cell_allocation(plan: dict[str, Any], cell_tokens: dict[str, int]) -> dict[str, dict[str, dict[str, float]]]:
+def cell_allocation(
+    plan: dict[str, Any], cell_tokens: dict[str, int]
+) -> dict[str, dict[str, dict[str, float]]]:
     """Per cell, per phase: weight, tokens and epochs.
 
     Inside a source the sampler draws sequence windows uniformly, so each of a source's cells contributes in
@@ -122,7 +124,9 @@ def diff_plans(previous: dict[str, Any], current: dict[str, Any]) -> dict[str, A
         ]:
             a, b = old_sources.get(source_name), new_sources.get(source_name)
             if a is None or b is None:
-                sources.append({"name": source_name, "status": "added" if a is None else "removed", "fields": []})
+                sources.append(
+                    {"name": source_name, "status": "added" if a is None else "removed", "fields": []}
+                )
                 continue
             source_fields = [
                 {"field": key, "old": a.get(key), "new": b.get(key)}
@@ -130,11 +134,20 @@ def diff_plans(previous: dict[str, Any], current: dict[str, Any]) -> dict[str, A
                 if _changed(a.get(key), b.get(key))
             ]
             sources.append(
-                {"name": source_name, "status": "changed" if source_fields else "unchanged", "fields": source_fields}
+                {
+                    "name": source_name,
+                    "status": "changed" if source_fields else "unchanged",
+                    "fields": source_fields,
+                }
             )
         changed = bool(fields) or any(s["status"] != "unchanged" for s in sources)
         phases.append(
-            {"name": name, "status": "changed" if changed else "unchanged", "fields": fields, "sources": sources}
+            {
+                "name": name,
+                "status": "changed" if changed else "unchanged",
+                "fields": fields,
+                "sources": sources,
+            }
         )
     return {
         "settings": settings,

@@ -27,7 +27,10 @@ def _number(value: Any) -> float | None:
 
 
 def _series(rows: list[dict[str, Any]], key: str, name: str = "", x_key: str = "step") -> svg.Series:
-    return svg.Series(name or key, [(float(r[x_key]), _number(r.get(key))) for r in rows if _number(r.get(x_key)) is not None])
+    return svg.Series(
+        name or key,
+        [(float(r[x_key]), _number(r.get(key))) for r in rows if _number(r.get(x_key)) is not None],
+    )
 
 
 def phase_lines(rows: list[dict[str, Any]]) -> list[svg.VLine]:
@@ -88,7 +91,13 @@ def build_run(run_dir: str) -> dict[str, Any]:
     charts = []
 
     def add(title: str, series: list[svg.Series], y: svg.Axis, note: str = "") -> None:
-        charts.append({"title": title, "note": note, "svg": svg.line_chart(series, title=title, x=step, y=y, vlines=vlines)})
+        charts.append(
+            {
+                "title": title,
+                "note": note,
+                "svg": svg.line_chart(series, title=title, x=step, y=y, vlines=vlines),
+            }
+        )
 
     add("Training loss", [_series(rows, "loss")], svg.Axis("loss"))
     add("Learning rate", [_series(rows, "lr")], svg.Axis("learning rate"))
@@ -119,7 +128,11 @@ def build_run(run_dir: str) -> dict[str, Any]:
                     (
                         float(r["step"]),
                         max(
-                            (v for v in (expert_imbalance(x) for x in r.get("expert_load") or []) if v is not None),
+                            (
+                                v
+                                for v in (expert_imbalance(x) for x in r.get("expert_load") or [])
+                                if v is not None
+                            ),
                             default=None,
                         ),
                     )
@@ -134,10 +147,19 @@ def build_run(run_dir: str) -> dict[str, Any]:
         load_series,
         svg.Axis("max load ÷ mean load"),
         "Busiest expert's share of routed tokens times the number of experts, per MoE layer; 1.0 is perfectly"
-        " balanced." + (f" First {MAX_LAYER_SERIES} layers shown, plus the maximum over all." if layers > MAX_LAYER_SERIES else ""),
+        " balanced."
+        + (
+            f" First {MAX_LAYER_SERIES} layers shown, plus the maximum over all."
+            if layers > MAX_LAYER_SERIES
+            else ""
+        ),
     )
-    add("Dropped assignments", [_series(rows, "drop_fraction", "drop fraction")], svg.Axis("fraction dropped", low=0.0),
-        "Routed assignments dropped by expert capacity, over all MoE layers.")
+    add(
+        "Dropped assignments",
+        [_series(rows, "drop_fraction", "drop fraction")],
+        svg.Axis("fraction dropped", low=0.0),
+        "Routed assignments dropped by expert capacity, over all MoE layers.",
+    )
     add("Gradient norm", [_series(rows, "grad_norm", "grad norm")], svg.Axis("norm"))
     bias_layers = _per_layer(rows, "router_bias_norm")
     add(
@@ -160,7 +182,9 @@ def build_run(run_dir: str) -> dict[str, Any]:
         svg.Axis("norm"),
     )
 
-    final_load = next((r["expert_load"] for r in reversed(rows) if isinstance(r.get("expert_load"), list)), None)
+    final_load = next(
+        (r["expert_load"] for r in reversed(rows) if isinstance(r.get("expert_load"), list)), None
+    )
     load_map = None
     if final_load:
         experts = max(len(layer) for layer in final_load if isinstance(layer, list)) if final_load else 0
@@ -171,9 +195,17 @@ def build_run(run_dir: str) -> dict[str, Any]:
                 value = _number(fraction) or 0.0
                 values.append(value)
                 cells.append(
-                    svg.HeatCell(f"layer {li}", f"e{ei}", value, "", f"layer {li}, expert {ei}: {100 * value:.2f}% of tokens")
+                    svg.HeatCell(
+                        f"layer {li}",
+                        f"e{ei}",
+                        value,
+                        "",
+                        f"layer {li}, expert {ei}: {100 * value:.2f}% of tokens",
+                    )
                 )
-        scale = svg.ColorScale(min((v for v in values if v > 0), default=0.0), max(values, default=1.0), False)
+        scale = svg.ColorScale(
+            min((v for v in values if v > 0), default=0.0), max(values, default=1.0), False
+        )
         load_map = {
             "svg": svg.heatmap(
                 [f"layer {i}" for i in range(len(final_load))],
@@ -186,6 +218,9 @@ def build_run(run_dir: str) -> dict[str, Any]:
                 cell_width=22 if experts > 16 else 40,
                 cell_height=18,
                 show_labels=False,
+            ),
+            "legend": svg.color_legend(
+                scale, label="share of routed tokens", gradient_id="load-gradient", fraction=True
             ),
             "experts": experts,
             "uniform": f"{100 / experts:.2f}%" if experts else "",
@@ -202,11 +237,23 @@ def build_run(run_dir: str) -> dict[str, Any]:
         ("tokens seen", format_count(_number(last.get("tokens")) or 0)),
         ("final loss", f"{losses[-1]:.4f}" if losses else "–"),
         ("lowest loss", f"{min(losses):.4f}" if losses else "–"),
-        ("throughput (median, second half)", f"{format_count(sorted(tail)[len(tail) // 2])} tokens/s" if tail else "–"),
-        ("last MFU", f"{100 * _number(last.get('mfu')):.1f}%" if _number(last.get("mfu")) is not None else "–"),
+        (
+            "throughput (median, second half)",
+            f"{format_count(sorted(tail)[len(tail) // 2])} tokens/s" if tail else "–",
+        ),
+        (
+            "last MFU",
+            f"{100 * _number(last.get('mfu')):.1f}%" if _number(last.get("mfu")) is not None else "–",
+        ),
         ("FLOPs", format_count(_number(last.get("flops")) or 0) if _number(last.get("flops")) else "–"),
-        ("wall time", f"{(_number(last.get('time')) or 0) / 3600:.2f} h" if _number(last.get("time")) else "–"),
-        ("phases", ", ".join(dict.fromkeys(str(r.get("phase")) for r in rows if r.get("phase") is not None)) or "–"),
+        (
+            "wall time",
+            f"{(_number(last.get('time')) or 0) / 3600:.2f} h" if _number(last.get("time")) else "–",
+        ),
+        (
+            "phases",
+            ", ".join(dict.fromkeys(str(r.get("phase")) for r in rows if r.get("phase") is not None)) or "–",
+        ),
     ]
     config_rows = flatten_config(config) if config is not None else []
     return {

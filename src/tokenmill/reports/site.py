@@ -84,7 +84,9 @@ def _check_output(output: str) -> None:
         with open(index, encoding="utf-8", errors="replace") as handle:
             if f'<meta name="generator" content="{GENERATOR}' in handle.read(4096):
                 return
-    raise InputError(f"{output}: folder is not empty and holds no earlier report; choose an empty or new folder")
+    raise InputError(
+        f"{output}: folder is not empty and holds no earlier report; choose an empty or new folder"
+    )
 
 
 def _remove_stale(output: str, written: set[str]) -> None:
@@ -142,24 +144,38 @@ def build_site(
         )
 
     # Copied byte for byte, so that a reader can compare them with the originals.
-    publish("data/tokens/counts.json", _read_bytes(storage.join(tokens, "counts.json")), "token counts per cell", "tokens")
+    publish(
+        "data/tokens/counts.json",
+        _read_bytes(storage.join(tokens, "counts.json")),
+        "token counts per cell",
+        "tokens",
+    )
     for cell, path in sorted(overview["manifests"].items()):
         publish(f"data/tokens/{cell}/manifest.json", _read_bytes(path), f"manifest of {cell}", "manifests")
     if overview["stats_path"]:
-        publish("data/curate/stats.json", _read_bytes(overview["stats_path"]), "curation statistics", "curate")
+        publish(
+            "data/curate/stats.json", _read_bytes(overview["stats_path"]), "curation statistics", "curate"
+        )
     publish("data/mixture/plan.json", _json_bytes(plan), "mixture plan", "mixture")
     if previous_plan is not None:
-        publish("data/mixture/previous-plan.json", _json_bytes(previous_plan), "previous mixture plan", "mixture")
+        publish(
+            "data/mixture/previous-plan.json", _json_bytes(previous_plan), "previous mixture plan", "mixture"
+        )
     samples = b"".join(
-        (json.dumps(sample, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8") for sample in overview["samples"]
+        (json.dumps(sample, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+        for sample in overview["samples"]
     )
-    publish("data/samples.jsonl", samples, "sample documents shown on the page (text cut to the preview)", "page")
+    publish(
+        "data/samples.jsonl", samples, "sample documents shown on the page (text cut to the preview)", "page"
+    )
     publish("data/overview.json", _json_bytes(overview["data"]), "the page's numbers", "page")
     if run_page:
         publish("data/run/metrics.jsonl", _read_bytes(run_page["metrics_path"]), "run metrics", "run")
         if run_page["config_path"]:
             publish("data/run/config.json", _read_bytes(run_page["config_path"]), "run config", "run")
-    sums = "".join(f"{f['sha256']}  {f['href'][len('data/') :]}\n" for f in sorted(data_files, key=lambda f: f["href"]))
+    sums = "".join(
+        f"{f['sha256']}  {f['href'][len('data/') :]}\n" for f in sorted(data_files, key=lambda f: f["href"])
+    )
     outputs["data/SHA256SUMS"] = sums.encode("utf-8")
 
     env = _environment()
@@ -188,7 +204,9 @@ def build_site(
         .encode("utf-8")
     )
     if run_page:
-        outputs["run.html"] = env.get_template("run.html.j2").render(**common, page="run", r=run_page).encode("utf-8")
+        outputs["run.html"] = (
+            env.get_template("run.html.j2").render(**common, page="run", r=run_page).encode("utf-8")
+        )
 
     for relative, payload in sorted(outputs.items()):
         storage.write_bytes(storage.join(output, *relative.split("/")), payload)

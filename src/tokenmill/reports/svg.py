@@ -232,7 +232,14 @@ def heatmap(
     return Markup("".join(out))
 
 
-def color_legend(scale: ColorScale, *, label: str, width: float = 320) -> Markup:
+def color_legend(
+    scale: ColorScale,
+    *,
+    label: str,
+    width: float = 320,
+    gradient_id: str = "legend-gradient",
+    fraction: bool = False,
+) -> Markup:
     """A horizontal gradient bar with tick labels, matching `ColorScale.color`."""
     height, bar_top, bar_h, pad = 46.0, 18.0, 12.0, 10.0
     bar_w = width - 2 * pad
@@ -244,10 +251,10 @@ def color_legend(scale: ColorScale, *, label: str, width: float = 320) -> Markup
         f'<svg class="chart legend" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
         f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(label)}"'
         f' font-family="{FONT}" font-size="11">',
-        f'<defs><linearGradient id="legend-gradient" x1="0" x2="1" y1="0" y2="0">{stops}</linearGradient></defs>',
+        f'<defs><linearGradient id="{escape(gradient_id)}" x1="0" x2="1" y1="0" y2="0">{stops}</linearGradient></defs>',
         f'<text x="{_f(pad)}" y="12" fill="#4b5563">{escape(label)}{" (log scale)" if scale.log else ""}</text>',
         f'<rect x="{_f(pad)}" y="{_f(bar_top)}" width="{_f(bar_w)}" height="{_f(bar_h)}" rx="2"'
-        ' fill="url(#legend-gradient)" stroke="#d1d5db"/>',
+        f' fill="url(#{escape(gradient_id)})" stroke="#d1d5db"/>',
     ]
     last_x = -1e9
     for tick in scale.ticks():
@@ -256,7 +263,7 @@ def color_legend(scale: ColorScale, *, label: str, width: float = 320) -> Markup
             f'<line x1="{_f(x)}" x2="{_f(x)}" y1="{_f(bar_top + bar_h)}" y2="{_f(bar_top + bar_h + 4)}"'
             ' stroke="#6b7280"/>'
         )
-        text = format_tick(tick)
+        text = f"{100 * tick:.1f}%" if fraction else format_tick(tick)
         if x - last_x >= CHAR_WIDTH * (len(text) + 1):
             anchor = "start" if x < pad + 8 else "end" if x > width - pad - 8 else "middle"
             out.append(
@@ -481,7 +488,10 @@ def line_chart(
             s.name,
             decimate(
                 [
-                    (float(px), None if py is None or not math.isfinite(py) or (y.log and py <= 0) else float(py))
+                    (
+                        float(px),
+                        None if py is None or not math.isfinite(py) or (y.log and py <= 0) else float(py),
+                    )
                     for px, py in s.points
                     if math.isfinite(px) and not (x.log and px <= 0)
                 ],
@@ -508,7 +518,7 @@ def line_chart(
             legend_items.append((cursor, row, s))
             cursor += item_w
         legend_rows = row + 1
-    left, right, bottom = 60.0, 16.0, 40.0
+    left, right, bottom = 60.0, 26.0, 40.0
     top = 26.0 + 16.0 * legend_rows
     plot_w, plot_h = width - left - right, height - top - bottom
     out = [

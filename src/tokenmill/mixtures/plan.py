@@ -1,0 +1,573 @@
+"""The planner: a mixture spec plus token counts -> steps, tokens and epochs per phase and source.
+
+How the numbers are made (docs/mixtures.md says the same for users):
+
+* A step is `batch_size` sequences of `sequence_length` tokens. A mixture block is `block_size`
+  sequences; the sampler fills each block with an exact number of sequences per source. Phase boundaries
+  must fall on whole steps (the trainer switches phase at a step) and whole blocks (a block belongs to one
+  phase), so they are rounded, half up, to multiples of lcm(batch_size, block_size) sequences: the
+  `block_steps` of the plan. The last phase ends at total_tokens rounded the same way.
+* Inside a phase, a source's sequences per block (`block_sequences`) come from its weight by largest
+  remainder (Hamilton) apportionment of the block, ties to the source listed first, so that they sum to
+  exactly `block_size`. A source's tokens in a phase are block_sequences x blocks x sequence_length,
+  which is exactly what a sampler that fills blocks this way draws. The plan's `weight` is the realized
+  block_sequences / block_size; `weight_requested` is the spec's weight, normalized.
+* A source's tokens available are the sum over the cells it selects in tokens/counts.json, or its
+  declared count when planning without counts. In a slice (simulated epoching) they are scaled by the
+  slice's share of the full run, so the small run repeats each source as often as the big one.
+* max_epochs caps a source's tokens over the whole run. Going over is an error that gives the numbers,
+  unless the spec sets `shortfall: redistribute`: then, phase by phase, a source gets at most what its
+  remaining allowance pays for, and the rest of the block goes to the phase's other sources by weight
+  (water-filling), which is an error only when every source of the phase is exhausted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from tokenmill.cells import parse_cell
+from tokenmill.mixtures.errors import Issue, MixtureError, NeedsCounts
+from tokenmill.mixtures.spec import Mixture, Phase, Source
+from tokenmill.units import format_count
+
+PLAN_FORMAT_VERSION = 1
+# A realized weight this far (relative) from the asked one means the block is too small for the weight.
+WEIGHT_DEVIATION_WARNING = 0.10
+
+
+def _fc(value: float | int | Fraction) -> str:
+    return format_count(float(value), 4)
+
+
+def block_counts(weights: Sequence[float | Fraction], block_size: int) -> list[int]:
+    """Sequences per block for each weight: largest remainder apportionment of block_size.
+
+    Weights need not sum to 1. Each count is the floor or ceiling of weight / sum x block_size, the
+    counts sum to block_size, and ties in the remainder go to the earlier weight. Exact (rational)
+    arithmetic, so that the same weights give the same counts on every machine.
+    """
+    exact = [w if isinstance(w, Fraction) else Fraction(repr(float(w))) for w in weights]
+    total = sum(exact, Fraction(0))
+    if block_size < 0 or any(w < 0 for w in exact):
+        raise ValueError("block_counts needs a non-negative block size and weights")
+    if total == 0:
+        if block_size:
+            raise ValueError("block_counts needs a positive weight")
+        return [0] * len(exact)
+    quotas = [w * block_size / total for w in exact]
+    counts = [math.floor(q) for q in quotas]
+    rest = block_size - sum(counts)
+    order = sorted(range(len(exact)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in order[:rest]:
+        counts[i] += 1
+    return counts
+
+
+def _water_fill(
+    weights: dict[str, Fraction], caps: dict[str, int], block_size: int
+) -> tuple[dict[str, int], int]:
+    """Apportion the block by weight, no source over its cap; the capped sources' rest goes to the others.
+
+    Returns the counts and how many sequences of the block could not be placed (0 unless all are capped).
+    A source over its cap at one level is over it at any higher level, so capping every offender at once
+    and re-apportioning the rest among the others is the exact water-filling solution.
+    """
+    counts: dict[str, int] = {}
+    active = dict(weights)
+    left = block_size
+    while active and left > 0:
+        names = list(active)
+        alloc = dict(zip(names, block_counts([active[n] for n in names], left), strict=True))
+        over = [name for name in names if alloc[name] > caps[name]]
+        if not over:
+            counts.update(alloc)
+            return counts, 0
+        for name in over:
+            counts[name] = caps[name]
+            left -= caps[name]
+            del active[name]
+    for name in active:
+        counts.setdefault(name, 0)
+    return counts, left
+
+
+@dataclass
+class SourcePlan:
+    """One source in one phase."""
+
+    name: str
+    cells: list[str]
+    weight: float  # realized: block_sequences / block_size
+    tokens: int
+    tokens_available: int
+    epochs: float  # this phase's tokens / tokens_available
+    weight_requested: float
+    block_sequences: int
+    selectors: list[str]
+    max_epochs: float
+
+
+@dataclass
+class PhasePlan:
+    name: str
+    tokens: int
+    steps: int
+    start_step: int
+    end_step: int  # exclusive: the next phase starts here
+    tokens_requested: int
+    blocks: int
+    sources: list[SourcePlan] = field(default_factory=list)
+
+    def source(self, name: str) -> SourcePlan:
+        return next(source for source in self.sources if source.name == name)
+
+
+@dataclass
+class SourceTotal:
+    """One source over the whole run."""
+
+    name: str
+    cells: list[str]
+    selectors: list[str]
+    tokens_available: int
+    tokens: int
+    epochs: float
+    max_epochs: float
+    tokens_from: str  # "counts" (tokens/counts.json) or "declared"
+    tokens_available_full: int  # before slicing; equals tokens_available outside a slice
+
+
+@dataclass
+class Plan:
+    """The resolved plan; `to_json()` is the docs/formats.md "Mixture plan" document."""
+
+    name: str
+    tokenizer: str
+    total_tokens: int
+    sequence_length: int
+    batch_size: int
+    block_size: int
+    tokens_per_step: int
+    phases: list[PhasePlan]
+    total_steps: int
+    planned_tokens: int
+    block_steps: int
+    shortfall: str
+    tokens_from: str  # "counts.json" or "declared"
+    illustrative: bool
+    slice: dict[str, Any] | None
+    sources: dict[str, SourceTotal]
+    cells: dict[str, dict[str, Any]]
+    warnings: list[str]
+    description: str | None = None
+
+    def phase(self, name: str) -> PhasePlan:
+        return next(phase for phase in self.phases if phase.name == name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "name": self.name,
+            "description": self.description,
+            "tokenizer": self.tokenizer,
+            "total_tokens": self.total_tokens,
+            "sequence_length": self.sequence_length,
+            "batch_size": self.batch_size,
+            "block_size": self.block_size,
+            "tokens_per_step": self.tokens_per_step,
+            "total_steps": self.total_steps,
+            "planned_tokens": self.planned_tokens,
+            "block_steps": self.block_steps,
+            "shortfall": self.shortfall,
+            "tokens_from": self.tokens_from,
+            "illustrative": self.illustrative,
+            "slice": self.slice,
+            "phases": [asdict(phase) for phase in self.phases],
+            "sources": {name: asdict(total) for name, total in self.sources.items()},
+            "cells": self.cells,
+            "warnings": list(self.warnings),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# counts.json
+
+
+def load_counts(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read tokens/counts.json; MixtureError if it is missing or not JSON."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        raise MixtureError(f"no such counts file: {path}", file=path) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise MixtureError(f"cannot read counts {path}: {error}", file=path) from None
+    _catalog(data, [])  # validate now, so that the error names the file
+    return data
+
+
+def _catalog(counts: Mapping[str, Any], warnings: list[str]) -> dict[str, int]:
+    """counts.json -> {cell: tokens}; MixtureError on a malformed catalog."""
+
+    def bad(path: str, message: str) -> MixtureError:
+        return MixtureError([Issue(f"counts.json: {path}" if path else "counts.json", message)])
+
+    if not isinstance(counts, Mapping):
+        raise bad("", "expected a JSON object")
+    version = counts.get("format_version", 1)
+    if version != 1:
+        raise bad("format_version", f"unsupported version {version!r} (this planner reads 1)")
+    cells = counts.get("cells")
+    if not isinstance(cells, Mapping):
+        raise bad("cells", "expected an object of cell -> {tokens: ...}")
+    catalog: dict[str, int] = {}
+    for name, entry in cells.items():
+        tokens = entry.get("tokens") if isinstance(entry, Mapping) else None
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise bad(f"cells.{name}.tokens", f"expected a whole number >= 0, got {tokens!r}")
+        try:
+            parse_cell(name)
+        except ValueError as error:
+            warnings.append(f"counts.json: cells.{name}: ignored: {error}")
+            continue
+        catalog[name] = tokens
+    return catalog
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass
+class _Resolved:
+    source: Source
+    cells: list[str]
+    available_full: int
+    available: int  # after slicing
+    tokens_from: str
+    allowance: int  # max_epochs x available, in tokens
+    empty_reason: str = ""
+
+
+def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> Plan:
+    """Plan a mixture against parsed tokens/counts.json (or, with None, the spec's declared counts).
+
+    Raises MixtureError, pointing at the spec's lines, when the plan cannot be made: a phase too small
+    for one block, a source with no tokens, a source over its max_epochs (with the numbers).
+    """
+    warnings: list[str] = []
+    catalog = _catalog(counts, warnings) if counts is not None else None
+    if catalog is not None:
+        counts_tokenizer = (counts or {}).get("tokenizer", {})
+        counts_tokenizer = counts_tokenizer.get("name") if isinstance(counts_tokenizer, Mapping) else None
+        if counts_tokenizer and mixture.tokenizer and counts_tokenizer != mixture.tokenizer:
+            warnings.append(
+                f"tokenizer: the mixture names {mixture.tokenizer!r} but counts.json was made with "
+                f"{counts_tokenizer!r}; token counts do not carry over between tokenizers"
+            )
+
+    length, batch, block = mixture.sequence_length, mixture.batch_size, mixture.block_size
+    tokens_per_step = length * batch
+    block_steps = math.lcm(batch, block) // batch
+    granule_tokens = block_steps * tokens_per_step
+
+    # Phase boundaries, rounded half up to whole granules of block_steps steps.
+    issues: list[Issue] = []
+    ends: list[int] = []
+    cumulative = Fraction(0)
+    for index, phase in enumerate(mixture.phases):
+        cumulative += phase.budget
+        target = Fraction(mixture.total_tokens) if index == len(mixture.phases) - 1 else cumulative
+        ends.append(math.floor(target / granule_tokens + Fraction(1, 2)) * block_steps)
+    starts = [0, *ends[:-1]]
+    for phase, start, end in zip(mixture.phases, starts, ends, strict=True):
+        if end <= start:
+            issues.append(
+                phase.where.issue(
+                    f"{_fc(phase.budget)} tokens round to no steps: phase boundaries fall on whole mixture "
+                    f"blocks, here {block_steps} step(s) of {tokens_per_step:,} tokens; give the phase more "
+                    "tokens or use a smaller block_size or batch_size"
+                )
+            )
+    if issues:
+        raise MixtureError(issues)
+
+    resolved = _resolve_sources(mixture, catalog, warnings)
+
+    remaining = {name: item.allowance for name, item in resolved.items()}
+    used = dict.fromkeys(resolved, 0)
+    phase_plans: list[PhasePlan] = []
+    for phase, start, end in zip(mixture.phases, starts, ends, strict=True):
+        steps = end - start
+        blocks = steps * batch // block
+        sequence_tokens = blocks * length  # tokens that one sequence per block gives over the phase
+        positive = {name: weight for name, weight in phase.weights.items() if weight > 0}
+        asked = dict(zip(positive, block_counts(list(positive.values()), block), strict=True))
+        for name in positive:
+            item = resolved[name]
+            if item.available == 0:
+                where = phase.weight_where[name]
+                message = f"source has no tokens: {item.empty_reason}"
+                if mixture.shortfall == "error":
+                    issues.append(where.issue(message))
+                else:
+                    warnings.append(str(where.issue(message + "; its weight goes to the other sources")))
+        if mixture.shortfall == "redistribute":
+            caps = {name: remaining[name] // sequence_tokens for name in positive}
+            given, unplaced = _water_fill(positive, caps, block)
+            if unplaced:
+                capacity = sum(caps.values()) * sequence_tokens
+                issues.append(
+                    phase.where.issue(
+                        f"not enough tokens even with shortfall: redistribute: within max_epochs its sources "
+                        f"can give {_fc(capacity)} tokens, the phase needs {_fc(blocks * block * length)}"
+                    )
+                )
+                given = {name: min(asked[name], caps[name]) for name in positive}
+            short = [name for name in positive if given[name] < asked[name] and resolved[name].available > 0]
+            if short and not unplaced:
+                moved = sum(asked[name] - given[name] for name in short) * sequence_tokens
+                names = ", ".join(short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5 else "")
+                warnings.append(
+                    f"{phase.where.issue('').path} ({phase.name}): {names} at max_epochs; "
+                    f"{_fc(moved)} tokens went to the other sources by weight"
+                )
+        else:
+            given = asked
+        plans = []
+        for name, weight in phase.weights.items():
+            item = resolved[name]
+            count = given.get(name, 0)
+            tokens = count * sequence_tokens
+            remaining[name] -= tokens
+            used[name] += tokens
+            if weight > 0 and count == 0 and asked[name] == 0:
+                warnings.append(
+                    str(
+                        phase.weight_where[name].issue(
+                            f"weight {float(weight):.4g} rounds to 0 of {block} sequences per block, so the "
+                            "source gets nothing; raise block_size or the weight"
+                        )
+                    )
+                )
+            elif (
+                count
+                and abs(count / block - weight) > WEIGHT_DEVIATION_WARNING * weight
+                and count == asked[name]
+            ):
+                warnings.append(
+                    str(
+                        phase.weight_where[name].issue(
+                            f"weight {float(weight):.4g} becomes {count}/{block} = {count / block:.4g} "
+                            "per block; "
+                            "raise block_size for a closer match"
+                        )
+                    )
+                )
+            plans.append(
+                SourcePlan(
+                    name=name,
+                    cells=item.cells,
+                    weight=count / block,
+                    tokens=tokens,
+                    tokens_available=item.available,
+                    epochs=tokens / item.available if item.available else 0.0,
+                    weight_requested=float(weight),
+                    block_sequences=count,
+                    selectors=[selector.text for selector in item.source.selectors],
+                    max_epochs=item.source.max_epochs,
+                )
+            )
+        phase_plans.append(
+            PhasePlan(
+                name=phase.name,
+                tokens=steps * tokens_per_step,
+                steps=steps,
+                start_step=start,
+                end_step=end,
+                tokens_requested=round(phase.budget),
+                blocks=blocks,
+                sources=plans,
+            )
+        )
+        if catalog is not None:
+            warnings.extend(_overlaps(phase, resolved))
+    if mixture.shortfall == "error":
+        issues.extend(_over_cap(mixture, resolved, used, phase_plans))
+    if issues:
+        raise MixtureError(issues)
+
+    totals = {
+        name: SourceTotal(
+            name=name,
+            cells=item.cells,
+            selectors=[selector.text for selector in item.source.selectors],
+            tokens_available=item.available,
+            tokens=used[name],
+            epochs=used[name] / item.available if item.available else 0.0,
+            max_epochs=item.source.max_epochs,
+            tokens_from=item.tokens_from,
+            tokens_available_full=item.available_full,
+        )
+        for name, item in resolved.items()
+    }
+    slice_info = None
+    if mixture.slice is not None:
+        slice_info = {
+            "of": mixture.slice.of,
+            "file": mixture.slice.path,
+            "fraction": float(mixture.slice.fraction),
+            "of_total_tokens": mixture.slice.of_total_tokens,
+        }
+    total_steps = ends[-1]
+    return Plan(
+        name=mixture.name,
+        description=mixture.description,
+        tokenizer=mixture.tokenizer,
+        total_tokens=mixture.total_tokens,
+        sequence_length=length,
+        batch_size=batch,
+        block_size=block,
+        tokens_per_step=tokens_per_step,
+        phases=phase_plans,
+        total_steps=total_steps,
+        planned_tokens=total_steps * tokens_per_step,
+        block_steps=block_steps,
+        shortfall=mixture.shortfall,
+        tokens_from="counts.json" if catalog is not None else "declared",
+        illustrative=mixture.illustrative and catalog is None,
+        slice=slice_info,
+        sources=totals,
+        cells=_cell_totals(catalog, resolved, used, mixture) if catalog is not None else {},
+        warnings=warnings,
+    )
+
+
+def _resolve_sources(
+    mixture: Mixture, catalog: dict[str, int] | None, warnings: list[str]
+) -> dict[str, _Resolved]:
+    """Tokens available to every source a phase weighs (in order of first use)."""
+    fraction = mixture.slice.fraction if mixture.slice else Fraction(1)
+    wanted: dict[str, bool] = {}
+    for phase in mixture.phases:
+        for name, weight in phase.weights.items():
+            wanted[name] = wanted.get(name, False) or weight > 0
+    uncounted: list[Source] = []
+    resolved: dict[str, _Resolved] = {}
+    for name, positive in wanted.items():
+        source = mixture.sources[name]
+        cells = sorted({cell for selector in source.selectors if (cell := selector.cell)})
+        reason = ""
+        if catalog is not None and source.selectors:
+            cells = sorted({cell for selector in source.selectors for cell in selector.select(catalog)})
+            available = sum(catalog[cell] for cell in cells)
+            tokens_from = "counts"
+            what = ", ".join(selector.text for selector in source.selectors)
+            reason = (
+                f"{what} matches no cell in counts.json"
+                if not cells
+                else "its cells hold 0 tokens in counts.json"
+            )
+        elif source.declared_tokens is not None:
+            available = source.declared_tokens
+            tokens_from = "declared"
+            reason = "declared tokens: 0"
+            if catalog is not None and positive:
+                warnings.append(
+                    str(source.where.issue("no cells, only a declared count: the sampler cannot draw it"))
+                )
+        else:
+            available, tokens_from = 0, "declared"
+            if positive:
+                uncounted.append(source)
+        sliced = math.floor(available * fraction)
+        if available and not sliced:
+            reason = f"{available:,} tokens sliced to {float(fraction):.4g} of the full run round to 0"
+        resolved[name] = _Resolved(
+            source=source,
+            cells=cells,
+            available_full=available,
+            available=sliced,
+            tokens_from=tokens_from,
+            allowance=math.floor(Fraction(repr(source.max_epochs)) * sliced),
+            empty_reason=reason,
+        )
+    if uncounted:
+        more = f" (and {len(uncounted) - 1} more sources)" if len(uncounted) > 1 else ""
+        raise NeedsCounts(
+            [
+                uncounted[0].where.issue(
+                    "no declared tokens, and no tokens/counts.json to count its cells"
+                    f"{more}: plan with --counts"
+                )
+            ]
+        )
+    return resolved
+
+
+def _over_cap(
+    mixture: Mixture, resolved: dict[str, _Resolved], used: dict[str, int], phases: list[PhasePlan]
+) -> list[Issue]:
+    issues = []
+    for name, item in resolved.items():
+        if item.available == 0 or used[name] <= item.allowance:
+            continue
+        parts = [
+            f"{phase.name} {_fc(source.tokens)}"
+            for phase in phases
+            for source in phase.sources
+            if source.name == name and source.tokens
+        ]
+        issues.append(
+            item.source.where.issue(
+                f"needs {_fc(used[name])} tokens ({', '.join(parts)}) = "
+                f"{used[name] / item.available:.4g} epochs of its {_fc(item.available)}; "
+                f"max_epochs {item.source.max_epochs:g} allows {_fc(item.allowance)} "
+                "(raise max_epochs, lower its weights, or set shortfall: redistribute)"
+            )
+        )
+    return issues
+
+
+def _overlaps(phase: Phase, resolved: dict[str, _Resolved]) -> list[str]:
+    owners: dict[str, list[str]] = {}
+    for name, weight in phase.weights.items():
+        if weight > 0:
+            for cell in resolved[name].cells:
+                owners.setdefault(cell, []).append(name)
+    shared = [f"{cell} ({', '.join(names)})" for cell, names in owners.items() if len(names) > 1]
+    if not shared:
+        return []
+    more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
+    return [
+        f"{phase.where.issue('').path} ({phase.name}): cells drawn by more than one source: "
+        f"{'; '.join(shared[:3])}{more}; their epochs add up"
+    ]
+
+
+def _cell_totals(
+    catalog: dict[str, int], resolved: dict[str, _Resolved], used: dict[str, int], mixture: Mixture
+) -> dict[str, dict[str, Any]]:
+    """Tokens drawn from each cell: a source's tokens spread over its cells by size (uniform sampling)."""
+    fraction = float(mixture.slice.fraction) if mixture.slice else 1.0
+    drawn = dict.fromkeys(catalog, 0.0)
+    for name, item in resolved.items():
+        if item.available_full and used[name]:
+            for cell in item.cells:
+                drawn[cell] += used[name] * catalog[cell] / item.available_full
+    result = {}
+    for cell in sorted(catalog):
+        available = catalog[cell] * fraction
+        result[cell] = {
+            "tokens_available": math.floor(available),
+            "tokens": round(drawn[cell]),
+            "epochs": drawn[cell] / available if available else 0.0,
+        }
+    return result

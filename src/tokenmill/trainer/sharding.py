@@ -1,0 +1,124 @@
+"""One device mesh with data, fsdp and expert axes, and the explicit sharding of every array on it.
+
+- data: plain data parallelism (replicated weights); across slices or hosts with slow links.
+- fsdp: the batch is split and the weights are split too, gathered per layer when used (ZeRO-3).
+- expert: routed experts are split by expert; outside the MoE block this axis splits the batch as well.
+
+The same code runs on one CPU (a 1x1x1 mesh) and on many hosts (after jax.distributed.initialize, the mesh
+spans every process's devices). Parameter shardings are written out here by name; activations are pinned in
+model.py/moe.py with `constrain`, and XLA's partitioner fills in the collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tokenmill.trainer.moe import BATCH_AXES
+
+log = logging.getLogger(__name__)
+
+AXES = ("data", "fsdp", "expert")
+
+
+def maybe_initialize_distributed(force: bool = False) -> None:
+    """Join a multi-host job: jax.distributed.initialize reads the coordinator from the environment
+    (TPU pods and SLURM are detected automatically; elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES
+    and JAX_PROCESS_ID). Without `force` it runs only when such variables are present."""
+    markers = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES")
+    if force or any(os.environ.get(name) for name in markers):
+        jax.distributed.initialize()
+        log.info("process %d of %d", jax.process_index(), jax.process_count())
+
+
+def parse_mesh_shape(text: str | None, n_devices: int) -> tuple[int, int, int]:
+    """'data,fsdp,expert' sizes; one of them may be -1 (the rest of the devices). Default: all on fsdp."""
+    if not text:
+        return (1, n_devices, 1)
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError as error:
+        raise ValueError(f"mesh {text!r}: expected three integers data,fsdp,expert") from error
+    if len(sizes) != 3 or sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh {text!r}: expected three positive sizes data,fsdp,expert (one may be -1)")
+    if -1 in sizes:
+        known = int(np.prod([s for s in sizes if s != -1]))
+        if n_devices % known:
+            raise ValueError(f"mesh {text!r} does not divide {n_devices} devices")
+        sizes[sizes.index(-1)] = n_devices // known
+    if int(np.prod(sizes)) != n_devices:
+        raise ValueError(f"mesh {text!r} has {int(np.prod(sizes))} devices, but {n_devices} are available")
+    return tuple(sizes)  # type: ignore[return-value]
+
+
+def make_mesh(shape: tuple[int, int, int], devices: list | None = None) -> Mesh:
+    """A mesh over `devices` (default: all of them, every process's) with axes data, fsdp, expert."""
+    devices = devices if devices is not None else jax.devices()
+    if len(devices) == int(np.prod(shape)) and devices == jax.devices():
+        return jax.make_mesh(shape, AXES, devices=devices)
+    return Mesh(np.asarray(devices).reshape(shape), AXES)
+
+
+def _fits(dim: int, mesh: Mesh, axes: str | tuple[str, ...]) -> bool:
+    names = (axes,) if isinstance(axes, str) else axes
+    return dim % int(np.prod([mesh.shape[a] for a in names])) == 0
+
+
+def param_spec(path: tuple, leaf: Any, mesh: Mesh) -> P:
+    """The sharding of one parameter, by name: experts by expert (and fsdp), matrices by fsdp on d_model."""
+    name = jax.tree_util.keystr(path)
+    shape = leaf.shape
+    if name.endswith("['w_gate']") or name.endswith("['w_up']") or name.endswith("['w_down']"):
+        experts = "expert" if _fits(shape[0], mesh, "expert") else None
+        inner = "fsdp" if _fits(shape[1], mesh, "fsdp") else None
+        return P(experts, inner, None)
+    if len(shape) == 2:
+        # Shard the d_model side: rows of the input projections, columns of the embedding.
+        d_axis = 1 if name.startswith("['embed']") else 0
+        if name.endswith("['wo']") or name.endswith("['shared_down']"):
+            d_axis = 1
+        spec = [None, None]
+        if _fits(shape[d_axis], mesh, "fsdp"):
+            spec[d_axis] = "fsdp"
+        return P(*spec)
+    return P()  # norms' scales and other vectors: replicated, they are tiny
+
+
+def param_shardings(params: Any, mesh: Mesh) -> Any:
+    """NamedShardings for a parameter pytree (or any pytree shaped like one, such as Adam's moments)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, param_spec(p, x, mesh)), params)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows of the batch across every mesh axis; sequence positions stay together."""
+    return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def state_shardings(state: Any, params_sharding: Any, mesh: Mesh) -> Any:
+    """Shardings for the whole train state. Subtrees of the optimizer state shaped like the parameters
+    (Adam's moments) follow the parameters; everything else (counts, the step, the router bias) is
+    replicated."""
+    params_def = jax.tree.structure(state["params"])
+
+    def is_param_tree(node: Any) -> bool:
+        return jax.tree.structure(node) == params_def
+
+    def assign(node: Any) -> Any:
+        return params_sharding if is_param_tree(node) else replicated(mesh)
+
+    return {
+        "step": replicated(mesh),
+        "params": params_sharding,
+        "opt_state": jax.tree.map(assign, state["opt_state"], is_leaf=is_param_tree),
+        "router_bias": replicated(mesh),
+    }

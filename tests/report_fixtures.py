@@ -1,0 +1,542 @@
+"""Report inputs written from scratch, following docs/formats.md, so the report can be built and tested
+without curate, tokenize, the planner or the trainer.
+
+`make_report_inputs` writes curate output (curated/, removed/, rejected/, stats.json), tokenize output
+(counts.json and a manifest per cell), a mixture plan and an earlier revision of it, and a run folder. It
+scales from a handful of cells to 200 cells and 10,000 samples for the benchmark. With `hostile=True` one
+small cell holds documents written to break a page: script tags, a closing textarea, `javascript:` URLs,
+broken HTML; the cell is small enough that every one of them is among its samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+BASE_DOMAINS = (
+    "web",
+    "code",
+    "math",
+    "science",
+    "books",
+    "news",
+    "forum",
+    "legal",
+    "medical",
+    "wiki",
+    "patents",
+    "finance",
+)
+WORDS = (
+    "the of and to in model data token corpus quality filter train mixture expert router language text "
+    "document source sample cell domain phase budget epoch loss rate step batch sequence window shard "
+    "manifest count weight curve metric learn value signal noise pattern structure research analysis "
+    "system method result theory proof function variable matrix vector network layer attention"
+).split()
+SOURCES = ("crawl-2024.jsonl.zst", "crawl-2025.jsonl.zst", "books.parquet", "papers.jsonl", "forums.warc.gz")
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("text", pa.string()),
+        ("source", pa.string()),
+        ("url", pa.string()),
+        ("metadata", pa.string()),
+        ("language", pa.string()),
+        ("language_score", pa.float32()),
+        ("quality_score", pa.float32()),
+        ("quality", pa.int8()),
+        ("domain", pa.string()),
+        ("domain_score", pa.float32()),
+        ("n_chars", pa.int64()),
+        ("n_words", pa.int64()),
+        ("dup_cluster", pa.string()),
+    ]
+)
+REMOVED_SCHEMA = SCHEMA.append(pa.field("detail", pa.string()))
+CHARS_PER_TOKEN = 4.0
+
+# Each of these is a document's text (and URL) written to break a page that pastes it in as HTML.
+HOSTILE = (
+    (
+        "<script>window.__pwned = (window.__pwned || 0) + 1; document.title = 'pwned'</script>HOSTILE-SCRIPT",
+        None,
+    ),
+    (
+        "</textarea></pre></div></details></article></section></main><b>broken <i>html <!-- HOSTILE-TEXTAREA",
+        "javascript:window.__pwned=1",
+    ),
+    (
+        '<img src=x onerror="window.__pwned=1"> "quotes" & \'ampersands\' {{ 7*7 }} {% raw %} HOSTILE-IMG',
+        'https://example.org/a?b=1&c=<2>"onmouseover="window.__pwned=1',
+    ),
+    (
+        "]]></svg><svg onload=window.__pwned=1></svg>\u202eevil\u202c </script><style>body{display:none}</style>",
+        None,
+    ),
+)
+HOSTILE_DOMAIN = "web"
+HOSTILE_QUALITY = 0
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    root: Path
+    curate: Path
+    tokens: Path
+    plan: Path
+    previous_plan: Path
+    run: Path
+    domains: tuple[str, ...]
+    cells: tuple[str, ...]
+
+
+def domain_names(count: int) -> list[str]:
+    names = list(BASE_DOMAINS[:count])
+    k = 2
+    while len(names) < count:
+        names.extend(f"{d}-{k}" for d in BASE_DOMAINS[: count - len(names)])
+        k += 1
+    return names
+
+
+def _text(rng: random.Random, words: int) -> str:
+    paragraphs = []
+    remaining = words
+    while remaining > 0:
+        n = min(remaining, rng.randint(20, 90))
+        sentence = " ".join(rng.choice(WORDS) for _ in range(n))
+        paragraphs.append(sentence[0].upper() + sentence[1:] + ".")
+        remaining -= n
+    return "\n\n".join(paragraphs)
+
+
+def _row(
+    doc_id: str, text: str, source: str, url: str | None, domain: str | None, quality: int | None, rng
+) -> dict:
+    return {
+        "id": doc_id,
+        "text": text,
+        "source": source,
+        "url": url,
+        "metadata": json.dumps({"crawl": "fixture"}),
+        "language": "en",
+        "language_score": round(rng.uniform(0.6, 1.0), 3),
+        "quality_score": round(rng.uniform(0, 1), 3) if quality is not None else None,
+        "quality": quality,
+        "domain": domain,
+        "domain_score": round(rng.uniform(0.5, 1.0), 3) if domain is not None else None,
+        "n_chars": len(text),
+        "n_words": len(text.split()),
+        "dup_cluster": None,
+    }
+
+
+def _write_parquet(path: Path, rows: list[dict], schema: pa.Schema, row_group_size: int = 64) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(sorted(rows, key=lambda r: r["id"]), schema=schema)
+    pq.write_table(table, path, compression="zstd", row_group_size=row_group_size)
+
+
+def _tokens_for(chars: int) -> int:
+    return int(chars // CHARS_PER_TOKEN)
+
+
+def make_report_inputs(
+    root: Path,
+    *,
+    domains: int = 4,
+    docs_per_cell: int = 8,
+    words_per_doc: tuple[int, int] = (40, 160),
+    hostile: bool = True,
+    missing_cells: bool = True,
+    seed: int = 0,
+    steps: int = 400,
+    layers: int = 2,
+    experts: int = 8,
+    files_per_cell: int = 2,
+) -> ReportInputs:
+    """Write a full set of report inputs under `root` and return where each is."""
+    rng = random.Random(seed)
+    curate = root / "curate"
+    tokens_dir = root / "tokens"
+    names = domain_names(domains)
+    cells: list[str] = []
+    cell_stats: dict[str, dict[str, int]] = {}
+    source_stats: dict[str, dict[str, int]] = {
+        s: {"read": 0, "kept": 0, "removed": 0, "rejected": 0} for s in SOURCES
+    }
+    counts_cells: dict[str, dict[str, Any]] = {}
+    tokenizer = {"name": "tokenmill-bpe-8k", "sha256": "ab" * 32, "vocab_size": 8192}
+    for d_index, domain in enumerate(names):
+        for quality in range(5):
+            # Leave a few cells empty so that the heatmap shows holes.
+            if missing_cells and d_index % 3 == 2 and quality == 1:
+                continue
+            cell = f"domain={domain}/quality={quality}"
+            hostile_cell = hostile and domain == HOSTILE_DOMAIN and quality == HOSTILE_QUALITY
+            # Cells differ in size by orders of magnitude, like real data.
+            n_docs = len(HOSTILE) if hostile_cell else max(1, int(docs_per_cell * (0.5 + rng.random())))
+            rows = []
+            for i in range(n_docs):
+                source = SOURCES[(d_index + i * (quality + 1)) % len(SOURCES)]
+                if hostile_cell:
+                    text, url = HOSTILE[i]
+                    source = "<b>hostile</b>.jsonl"
+                else:
+                    text = _text(rng, rng.randint(*words_per_doc))
+                    url = f"https://{domain}.example.org/doc/{quality}/{i}" if i % 4 else None
+                rows.append(_row(f"{domain}-{quality}-{i:06d}", text, source, url, domain, quality, rng))
+                source_stats.setdefault(source, {"read": 0, "kept": 0, "removed": 0, "rejected": 0})
+                source_stats[source]["read"] += 1
+                source_stats[source]["kept"] += 1
+            rows.sort(key=lambda r: r["id"])
+            parts = max(1, min(files_per_cell, len(rows)))
+            per_file = math.ceil(len(rows) / parts)
+            for part in range(parts):
+                chunk = rows[part * per_file : (part + 1) * per_file]
+                if chunk:
+                    name = f"part-{part:05d}-of-{parts:05d}.parquet"
+                    _write_parquet(curate / "curated" / cell / name, chunk, SCHEMA)
+            chars = sum(r["n_chars"] for r in rows)
+            tokens = sum(_tokens_for(r["n_chars"]) + 1 for r in rows)  # + end-of-text per document
+            cell_stats[cell] = {
+                "documents": len(rows),
+                "characters": chars,
+                "tokens_estimated": tokens - len(rows),
+            }
+            manifest = {
+                "format_version": 1,
+                "cell": cell,
+                "tokenizer": tokenizer,
+                "dtype": "uint16",
+                "eos_id": 0,
+                "documents": len(rows),
+                "tokens": tokens,
+                "shards": [
+                    {
+                        "name": "part-00000",
+                        "documents": len(rows),
+                        "tokens": tokens,
+                        "bin_sha256": hex_digest(cell + "bin"),
+                        "idx_sha256": hex_digest(cell + "idx"),
+                        "source_files": [f"part-{p:05d}-of-{parts:05d}.parquet" for p in range(parts)],
+                    }
+                ],
+            }
+            (tokens_dir / cell).mkdir(parents=True, exist_ok=True)
+            (tokens_dir / cell / "manifest.json").write_text(
+                json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+            )
+            counts_cells[cell] = {
+                "tokens": tokens,
+                "documents": len(rows),
+                "manifest": f"{cell}/manifest.json",
+            }
+            cells.append(cell)
+    counts = {
+        "format_version": 1,
+        "tokenizer": tokenizer,
+        "total_tokens": sum(c["tokens"] for c in counts_cells.values()),
+        "total_documents": sum(c["documents"] for c in counts_cells.values()),
+        "cells": dict(sorted(counts_cells.items())),
+    }
+    (tokens_dir / "counts.json").write_text(json.dumps(counts, indent=2, sort_keys=True) + "\n")
+
+    removed = _write_removed(curate, rng, hostile, source_stats)
+    rejected = _write_rejected(curate, hostile, source_stats)
+    _write_stats(curate, cell_stats, removed, rejected, source_stats)
+    plan, previous = make_plans(counts)
+    (root / "plan.json").write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
+    (root / "previous-plan.json").write_text(json.dumps(previous, indent=2, sort_keys=True) + "\n")
+    run = _write_run(
+        root / "runs" / "fixture-run", plan, steps=steps, layers=layers, experts=experts, seed=seed
+    )
+    return ReportInputs(
+        root=root,
+        curate=curate,
+        tokens=tokens_dir,
+        plan=root / "plan.json",
+        previous_plan=root / "previous-plan.json",
+        run=run,
+        domains=tuple(names),
+        cells=tuple(cells),
+    )
+
+
+def hex_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+REMOVAL_REASONS = (
+    ("language", "not_english", 9),
+    ("heuristics", "too_short", 7),
+    ("heuristics", "repetition", 4),
+    ("exact_dedupe", "exact_duplicate", 5),
+)
+
+
+def _write_removed(
+    curate: Path, rng: random.Random, hostile: bool, source_stats
+) -> dict[str, dict[str, int]]:
+    removed = {}
+    for stage, reason, n in REMOVAL_REASONS:
+        rows = []
+        for i in range(n):
+            text = _text(rng, rng.randint(5, 40))
+            detail = {"filter": reason, "value": round(rng.random(), 3)}
+            if stage == "exact_dedupe":
+                detail = {"kept_id": f"web-3-{i:06d}"}
+            if hostile and i == 0:
+                text = "<script>window.__pwned=1</script>removed HOSTILE-REMOVED"
+                detail = {"filter": "</script><script>window.__pwned=1</script>"}
+            source = SOURCES[i % len(SOURCES)]
+            row = _row(f"removed-{stage}-{i:05d}", text, source, None, None, None, rng)
+            row["detail"] = json.dumps(detail)
+            rows.append(row)
+            source_stats[source]["read"] += 1
+            source_stats[source]["removed"] += 1
+        _write_parquet(
+            curate / "removed" / f"stage={stage}" / f"reason={reason}" / "part-00000-of-00001.parquet",
+            rows,
+            REMOVED_SCHEMA,
+        )
+        chars = sum(r["n_chars"] for r in rows)
+        removed[f"{stage}/{reason}"] = {
+            "stage": stage,
+            "reason": reason,
+            "documents": n,
+            "characters": chars,
+            "tokens_estimated": sum(_tokens_for(r["n_chars"]) for r in rows),
+        }
+    return removed
+
+
+def _write_rejected(curate: Path, hostile: bool, source_stats) -> dict[str, int]:
+    import zstandard
+
+    records = [
+        {
+            "file": "crawl-2024.jsonl.zst",
+            "line": 17,
+            "offset": None,
+            "error": "line 17 is not JSON",
+            "error_kind": "bad_json",
+            "raw": '{"text": "unterminated',
+        },
+        {
+            "file": "crawl-2024.jsonl.zst",
+            "line": 99,
+            "offset": None,
+            "error": "line 99 is not JSON",
+            "error_kind": "bad_json",
+            "raw": "</script><script>window.__pwned=1</script>HOSTILE-REJECTED" if hostile else "{{{",
+        },
+        {
+            "file": "crawl-2025.jsonl.zst",
+            "line": 3,
+            "offset": None,
+            "error": "line 3 is not UTF-8",
+            "error_kind": "bad_utf8",
+            "raw_base64": "//79",
+        },
+        {
+            "file": "papers.jsonl",
+            "line": 5,
+            "offset": None,
+            "error": "no text field",
+            "error_kind": "missing_text",
+            "raw": '{"title": "no text here"}',
+        },
+    ]
+    path = curate / "rejected" / "part-00000-of-00001.jsonl.zst"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode()
+    buffer = io.BytesIO()
+    buffer.write(zstandard.ZstdCompressor().compress(payload))
+    path.write_bytes(buffer.getvalue())
+    kinds: dict[str, int] = {}
+    for record in records:
+        kinds[record["error_kind"]] = kinds.get(record["error_kind"], 0) + 1
+        source_stats.setdefault(record["file"], {"read": 0, "kept": 0, "removed": 0, "rejected": 0})
+        source_stats[record["file"]]["read"] += 1
+        source_stats[record["file"]]["rejected"] += 1
+    return kinds
+
+
+def _write_stats(curate: Path, cells, removed, rejected, source_stats) -> None:
+    def total(entries) -> dict[str, int]:
+        return {
+            "documents": sum(e["documents"] for e in entries),
+            "characters": sum(e["characters"] for e in entries),
+            "tokens_estimated": sum(e["tokens_estimated"] for e in entries),
+        }
+
+    kept = total(cells.values())
+    removed_total = total(removed.values())
+    rejected_docs = sum(rejected.values())
+    read = {
+        "documents": kept["documents"] + removed_total["documents"] + rejected_docs,
+        "characters": kept["characters"] + removed_total["characters"],
+        "tokens_estimated": kept["tokens_estimated"] + removed_total["tokens_estimated"],
+    }
+    funnel = [{"stage": "read", **read}]
+    left = dict(read)
+    left["documents"] -= rejected_docs
+    funnel.append({"stage": "parse", **left})
+    for stage in dict.fromkeys(s for s, _, _ in REMOVAL_REASONS):
+        for entry in removed.values():
+            if entry["stage"] == stage:
+                for key in ("documents", "characters", "tokens_estimated"):
+                    left[key] -= entry[key]
+        funnel.append({"stage": stage, **left})
+    stats = {
+        "format_version": 1,
+        "recipe": "configs/curate/web.yaml",
+        "inputs": sorted(source_stats),
+        "chars_per_token": CHARS_PER_TOKEN,
+        "read": read,
+        "kept": kept,
+        "removed": removed_total,
+        "rejected": {"documents": rejected_docs},
+        "balanced": read["documents"] == kept["documents"] + removed_total["documents"] + rejected_docs,
+        "funnel": funnel,
+        "removed_by_reason": removed,
+        "rejected_by_error": {k: {"documents": v} for k, v in sorted(rejected.items())},
+        "cells": cells,
+        "sources": source_stats,
+    }
+    (curate / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+
+
+def make_plans(counts: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A two-phase plan over the fixture's cells (80% pretraining, 20% midtraining) and an earlier revision."""
+    cells = sorted(counts["cells"])
+    domains = sorted({c.split("/")[0].removeprefix("domain=") for c in cells})
+    available = {c: counts["cells"][c]["tokens"] for c in cells}
+    total = counts["total_tokens"] * 3
+    seq, batch = 256, 8
+    tokens_per_step = seq * batch
+
+    def source(name: str, source_cells: list[str], weight: float, budget: int) -> dict[str, Any]:
+        have = sum(available[c] for c in source_cells)
+        tokens = round(budget * weight)
+        return {
+            "name": name,
+            "cells": source_cells,
+            "weight": weight,
+            "tokens": tokens,
+            "tokens_available": have,
+            "epochs": tokens / have if have else 0.0,
+        }
+
+    def phases(share_pre: float, hq_boost: float, drop: str | None) -> list[dict[str, Any]]:
+        result = []
+        start = 0
+        for name, share in (("pretraining", share_pre), ("midtraining", 1 - share_pre)):
+            budget = round(total * share)
+            groups = []
+            for d in domains:
+                low = [c for c in cells if c.startswith(f"domain={d}/") and c[-1] in "012"]
+                high = [c for c in cells if c.startswith(f"domain={d}/") and c[-1] in "34"]
+                if low and name == "pretraining" and d != drop:
+                    groups.append((f"{d}-lq", low, 1.0))
+                if high:
+                    groups.append((f"{d}-hq", high, hq_boost if name == "midtraining" else 1.5))
+            weight_sum = sum(w for _, _, w in groups)
+            srcs = [source(n, c, round(w / weight_sum, 6), budget) for n, c, w in groups]
+            steps = budget // tokens_per_step
+            result.append(
+                {
+                    "name": name,
+                    "tokens": steps * tokens_per_step,
+                    "steps": steps,
+                    "start_step": start,
+                    "end_step": start + steps,
+                    "sources": srcs,
+                }
+            )
+            start += steps
+        return result
+
+    plan = {
+        "name": "fixture-mix",
+        "tokenizer": counts["tokenizer"]["name"],
+        "total_tokens": total,
+        "sequence_length": seq,
+        "batch_size": batch,
+        "block_size": 4,
+        "tokens_per_step": tokens_per_step,
+        "phases": phases(0.8, 3.0, None),
+    }
+    previous = {
+        **plan,
+        "name": "fixture-mix",
+        "phases": phases(0.85, 2.0, domains[-1] if len(domains) > 1 else None),
+    }
+    # A planner rounds phases to whole steps; the plan's total is what the phases add up to.
+    for revision in (plan, previous):
+        revision["total_tokens"] = sum(p["tokens"] for p in revision["phases"])
+    return plan, previous
+
+
+def _write_run(run: Path, plan: dict[str, Any], *, steps: int, layers: int, experts: int, seed: int) -> Path:
+    rng = random.Random(seed + 1)
+    run.mkdir(parents=True, exist_ok=True)
+    boundary = int(steps * 0.8)
+    lines = []
+    tokens = 0
+    for step in range(0, steps + 1, 5):
+        warm = min(1.0, step / max(1, steps * 0.05))
+        lr = 3e-4 * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        tokens = step * plan["tokens_per_step"]
+        load = []
+        for layer in range(layers):
+            raw = [
+                1 + rng.random() * (2.0 if step < steps / 4 else 0.4) + (0.5 if e == layer else 0)
+                for e in range(experts)
+            ]
+            s = sum(raw)
+            load.append([round(v / s, 5) for v in raw])
+        lines.append(
+            {
+                "step": step,
+                "phase": "pretraining" if step < boundary else "midtraining",
+                "loss": round(2.2 + 8.0 * math.exp(-step / (steps / 6)) + rng.gauss(0, 0.05), 5),
+                "lr": lr,
+                "tokens": tokens,
+                "tokens_per_second": round(52000 + rng.gauss(0, 1500), 1),
+                "flops": tokens * 6 * 1.6e9,
+                "mfu": round(0.38 + rng.gauss(0, 0.01), 4),
+                "grad_norm": round(1.0 + 3 * math.exp(-step / 40) + abs(rng.gauss(0, 0.1)), 4),
+                "param_norm": round(100 + step * 0.05, 3),
+                "router_bias_norm": [round(0.01 * step**0.5 * (1 + layer / 4), 5) for layer in range(layers)],
+                "expert_load": load,
+                "drop_fraction": round(max(0.0, 0.08 * math.exp(-step / 60) + rng.gauss(0, 0.002)), 5),
+                "time": round(step * 1.7, 2),
+            }
+        )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
+    config = {
+        "model": {
+            "name": "moe-tiny",
+            "layers": 4,
+            "d_model": 256,
+            "experts": experts,
+            "top_k": 2,
+            "moe_layers": layers,
+            "vocab_size": 8192,
+        },
+        "training": {"seed": seed, "optimizer": "adamw", "peak_lr": 3e-4, "warmup_fraction": 0.05},
+        "mixture": plan,
+    }
+    (run / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return run

@@ -1,0 +1,478 @@
+"""Tests of `tokenmill report` on fixtures written from docs/formats.md (no browser; see test_report_browser.py)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import shutil
+import sys
+import time
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import tokenmill.mixtures
+from tokenmill.cli import main
+from tokenmill.reports import svg
+from tokenmill.reports.inputs import InputError, read_metrics, sample_indices
+from tokenmill.reports.overview import OverviewOptions, safe_href
+from tokenmill.reports.plans import cell_allocation, diff_plans, validate_plan
+from tokenmill.reports.site import build_site
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report_fixtures import HOSTILE_DOMAIN, ReportInputs, make_report_inputs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> ReportInputs:
+    return make_report_inputs(tmp_path_factory.mktemp("report-inputs"))
+
+
+def report_args(inputs: ReportInputs, output: Path, *extra: str, run: bool = True) -> list[str]:
+    args = [
+        "report",
+        "--curated",
+        str(inputs.curate),
+        "--tokens",
+        str(inputs.tokens),
+        "--plan",
+        str(inputs.plan),
+        "--previous-plan",
+        str(inputs.previous_plan),
+        "--output",
+        str(output),
+    ]
+    if run:
+        args += ["--run", str(inputs.run)]
+    return args + list(extra)
+
+
+@pytest.fixture(scope="module")
+def site(inputs: ReportInputs, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("site")
+    assert main(report_args(inputs, output)) == 0
+    return output
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_site_has_pages_and_the_data_behind_them(site: Path, inputs: ReportInputs) -> None:
+    files = tree(site)
+    assert "index.html" in files and "run.html" in files
+    # counts.json and every manifest are copied byte for byte, at the paths counts.json names.
+    assert files["data/tokens/counts.json"] == (inputs.tokens / "counts.json").read_bytes()
+    counts = json.loads(files["data/tokens/counts.json"])
+    for cell, entry in counts["cells"].items():
+        assert (
+            files[f"data/tokens/{entry['manifest']}"] == (inputs.tokens / cell / "manifest.json").read_bytes()
+        )
+    assert files["data/curate/stats.json"] == (inputs.curate / "stats.json").read_bytes()
+    assert json.loads(files["data/mixture/plan.json"]) == json.loads(inputs.plan.read_text())
+    assert files["data/run/metrics.jsonl"] == (inputs.run / "metrics.jsonl").read_bytes()
+    # SHA256SUMS checks out, as `cd data && sha256sum -c SHA256SUMS` would.
+    sums = files["data/SHA256SUMS"].decode().splitlines()
+    assert len(sums) == len([f for f in files if f.startswith("data/") and f != "data/SHA256SUMS"])
+    for line in sums:
+        digest, name = line.split("  ", 1)
+        assert hashlib.sha256(files[f"data/{name}"]).hexdigest() == digest
+    samples = [json.loads(line) for line in files["data/samples.jsonl"].decode().splitlines()]
+    overview = json.loads(files["data/overview.json"])
+    assert len(samples) == sum(len(c["samples"]) for c in overview["cells"].values())
+    assert overview["headline"]["tokens"] == counts["total_tokens"]
+
+
+def test_every_link_resolves(site: Path) -> None:
+    for page in ("index.html", "run.html"):
+        html = (site / page).read_text()
+        ids = set(re.findall(r'\sid="([^"]+)"', html))
+        for href in re.findall(r'href="([^"]+)"', html):
+            href = href.replace("&amp;", "&")
+            if href.startswith(("https://", "http://", "data:")):
+                continue
+            assert not href.startswith(("/", "javascript:")), href
+            path, _, anchor = href.partition("#")
+            if path:
+                assert (site / path).is_file(), f"{page}: broken link {href}"
+            if anchor and (not path or path == page):
+                assert anchor in ids, f"{page}: no element with id {anchor}"
+
+
+def test_headline_heatmap_and_cards(site: Path, inputs: ReportInputs) -> None:
+    html = (site / "index.html").read_text()
+    assert html.count('class="heat-cell"') == len(inputs.domains) * 5
+    for cell in inputs.cells:
+        assert f'data-cell="{cell}"' in html
+    assert html.count('class="domain-card"') == len(inputs.domains)
+    assert "log scale" in html or "tokens per cell" in html  # the heatmap's legend
+    counts = json.loads((inputs.tokens / "counts.json").read_text())
+    from tokenmill.units import format_count
+
+    assert format_count(counts["total_tokens"]) in html
+    assert "Phase 1: pretraining" in html and "Phase 2: midtraining" in html
+    assert "Changes from the previous revision" in html
+    assert "added" in html  # the fixture's previous plan lacks a source the current one has
+
+
+class TagCollector(HTMLParser):
+    """Every start tag with its attributes, as a browser's tokenizer would see them."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def test_hostile_documents_are_text(site: Path) -> None:
+    for page in ("index.html", "run.html"):
+        html = (site / page).read_text()
+        parser = TagCollector()
+        parser.feed(html)
+        tags = [tag for tag, _ in parser.tags]
+        # One script element, the page's own, and the CSP admits only it, by hash.
+        assert tags.count("script") == 1
+        script = re.search(r"<script>(.*?)</script>", html, re.S).group(1)
+        digest = "sha256-" + base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+        assert f"script-src '{digest}'" in html
+        assert "img" not in tags and "textarea" not in tags and "style" in tags and tags.count("style") == 1
+        for tag, attrs in parser.tags:
+            assert not any(name.startswith("on") for name in attrs), (tag, attrs)
+            href = (attrs.get("href") or "").strip().lower()
+            assert not href.startswith(("javascript:", "data:text")), (tag, attrs)
+        if page == "index.html":
+            text = "".join(parser.text)
+            # The documents are on the page, as text, every one of the small hostile cell's.
+            for marker in (
+                "HOSTILE-SCRIPT",
+                "HOSTILE-TEXTAREA",
+                "HOSTILE-IMG",
+                "HOSTILE-REMOVED",
+                "HOSTILE-REJECTED",
+            ):
+                assert marker in text
+            assert "<script>window.__pwned" in text and "</textarea></pre></div>" in text
+            assert "javascript:window.__pwned=1" in text  # shown, not linked
+            # The layout survives: every card and every section is still there, in order.
+            assert tags.count("article") == html.count('class="domain-card"')
+            assert [a.get("id") for t, a in parser.tags if t == "section"] == [
+                "summary",
+                "heatmap",
+                "domains",
+                "curation",
+                "mixture",
+                "data",
+            ]
+
+
+def test_same_inputs_give_identical_bytes(inputs: ReportInputs, site: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    assert main(report_args(inputs, again)) == 0
+    assert tree(again) == tree(site)
+    # Rebuilding over an earlier report gives the same tree too, and drops files no longer produced.
+    assert main(report_args(inputs, again, run=False)) == 0
+    assert not (again / "run.html").exists() and not (again / "data" / "run").exists()
+    assert main(report_args(inputs, again)) == 0
+    assert tree(again) == tree(site)
+
+
+def test_seed_changes_the_samples(inputs: ReportInputs, tmp_path: Path) -> None:
+    plan = json.loads(inputs.plan.read_text())
+    ids = []
+    for seed in (0, 1):
+        result = build_site(
+            curated=str(inputs.curate),
+            tokens=str(inputs.tokens),
+            plan=plan,
+            output=str(tmp_path / f"seed{seed}"),
+            options=OverviewOptions(samples_per_cell=2, seed=seed),
+        )
+        overview = json.loads((Path(result.output) / "data" / "overview.json").read_text())
+        ids.append({cell: entry["samples"] for cell, entry in overview["cells"].items()})
+    assert ids[0] != ids[1]
+    assert all(len(samples) <= 2 for samples in ids[0].values())
+
+
+def test_sample_indices_are_uniform_and_seeded() -> None:
+    assert sample_indices(10, 20, 0, "x") == list(range(10))
+    assert sample_indices(0, 5, 0, "x") == []
+    picks = sample_indices(1000, 50, 3, "domain=web/quality=2")
+    assert (
+        picks == sorted(set(picks))
+        and len(picks) == 50
+        and picks == sample_indices(1000, 50, 3, "domain=web/quality=2")
+    )
+    assert picks != sample_indices(1000, 50, 4, "domain=web/quality=2")
+    # Every row is equally likely: 4,000 draws of 5 out of 20 put each row near 1,000 times.
+    hits = Counter(i for key in range(4000) for i in sample_indices(20, 5, 0, f"cell-{key}"))
+    assert set(hits) == set(range(20))
+    assert max(hits.values()) < 1150 and min(hits.values()) > 850
+
+
+def test_safe_href_keeps_only_web_links() -> None:
+    assert safe_href("https://example.org/a?b=1") == "https://example.org/a?b=1"
+    for bad in (
+        "javascript:alert(1)",
+        " JavaScript:alert(1)",
+        "data:text/html,<b>",
+        "//evil",
+        "/x",
+        "",
+        None,
+        "http:/x",
+        "java\nscript:alert(1)",
+    ):
+        assert safe_href(bad) == ""
+
+
+def test_plan_tools() -> None:
+    plan = {
+        "name": "a",
+        "total_tokens": 100,
+        "phases": [
+            {
+                "name": "p",
+                "tokens": 100,
+                "steps": 10,
+                "start_step": 0,
+                "end_step": 10,
+                "sources": [
+                    {
+                        "name": "s",
+                        "cells": ["domain=a/quality=1", "domain=a/quality=2"],
+                        "weight": 1.0,
+                        "tokens": 100,
+                        "tokens_available": 200,
+                        "epochs": 0.5,
+                    }
+                ],
+            },
+        ],
+    }
+    allocation = cell_allocation(plan, {"domain=a/quality=1": 150, "domain=a/quality=2": 50})
+    assert allocation["domain=a/quality=1"]["p"]["tokens"] == pytest.approx(75)
+    assert allocation["domain=a/quality=2"]["p"]["weight"] == pytest.approx(0.25)
+    assert allocation["domain=a/quality=2"]["p"]["epochs"] == pytest.approx(0.5)
+    changed = json.loads(json.dumps(plan))
+    changed["phases"][0]["sources"][0]["weight"] = 0.5
+    changed["phases"][0]["sources"].append({**changed["phases"][0]["sources"][0], "name": "t"})
+    changed["phases"].append({**changed["phases"][0], "name": "q", "sources": []})
+    diff = diff_plans(plan, changed)
+    assert diff["changed"]
+    assert [(p["name"], p["status"]) for p in diff["phases"]] == [("p", "changed"), ("q", "added")]
+    assert [(s["name"], s["status"]) for s in diff["phases"][0]["sources"]] == [
+        ("s", "changed"),
+        ("t", "added"),
+    ]
+    assert diff["phases"][0]["sources"][0]["fields"] == [{"field": "weight", "old": 1.0, "new": 0.5}]
+    assert not diff_plans(plan, plan)["changed"]
+    with pytest.raises(InputError, match="phases\\[0\\] has no 'tokens'"):
+        validate_plan({"phases": [{"name": "p"}]}, "x.json")
+
+
+def test_line_chart_is_deterministic_and_robust() -> None:
+    points = [(float(i), 1.0 / (i + 1)) for i in range(5000)]
+    points[100] = (100.0, None)
+    chart = svg.line_chart(
+        [
+            svg.Series("loss <b>", points),
+            svg.Series("forecast", [(10.0, 0.5), (1e4, 0.01)], dashed=True, markers=True),
+        ],
+        title="a & b",
+        x=svg.Axis("step", log=True),
+        y=svg.Axis("loss", log=True),
+        vlines=[svg.VLine(1000, "phase <2>")],
+    )
+    assert chart == svg.line_chart(
+        [
+            svg.Series("loss <b>", points),
+            svg.Series("forecast", [(10.0, 0.5), (1e4, 0.01)], dashed=True, markers=True),
+        ],
+        title="a & b",
+        x=svg.Axis("step", log=True),
+        y=svg.Axis("loss", log=True),
+        vlines=[svg.VLine(1000, "phase <2>")],
+    )
+    assert "<b>" not in chart and "loss &lt;b&gt;" in chart and "a &amp; b" in chart
+    assert "stroke-dasharray" in chart and "<circle" in chart
+    assert "nan" not in chart.lower() and "inf" not in chart.lower()
+    assert "no data" in svg.line_chart([svg.Series("x", [])], title="empty")
+    kept = svg.decimate([(float(i), float(i % 97 == 0) * 5) for i in range(10000)], 200)
+    assert len(kept) <= 202 and max(p[1] for p in kept) == 5
+
+
+def test_run_page(site: Path) -> None:
+    html = (site / "run.html").read_text()
+    for title in (
+        "Training loss",
+        "Learning rate",
+        "Throughput",
+        "Expert load imbalance",
+        "Dropped assignments",
+    ):
+        assert f'data-chart="{title}"' in html
+    assert "config.json" in html and "model.experts" in html
+    assert html.count('class="vline"') >= 5  # the phase boundary on each curve
+
+
+def test_metrics_errors_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "loss": 1.0}\nnot json\n')
+    with pytest.raises(InputError, match="line 2"):
+        read_metrics(str(path))
+
+
+def test_usage_errors(inputs: ReportInputs, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def fails(args: list[str], message: str) -> None:
+        assert main(args) == 2
+        assert message in capsys.readouterr().err
+
+    out = tmp_path / "out"
+    fails(report_args(inputs, out) + ["--curated", str(tmp_path / "nope")], "no such folder")
+    fails(report_args(inputs, out) + ["--curated", str(inputs.tokens)], "no curated output here")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    fails(report_args(inputs, out) + ["--plan", str(bad)], "not valid JSON")
+    bad.write_text('{"phases": []}')
+    fails(report_args(inputs, out) + ["--plan", str(bad)], "no 'phases'")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    fails(report_args(inputs, foreign), "not empty")
+    assert (foreign / "notes.txt").read_text() == "mine"
+    fails(report_args(inputs, out, "--run", str(tmp_path)), "no metrics.jsonl")
+    with pytest.raises(SystemExit):
+        main(report_args(inputs, out) + ["--mixture", "m.yaml"])  # --plan and --mixture together
+
+
+def test_mixture_is_planned_lazily(
+    inputs: ReportInputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "mix.yaml"
+    spec.write_text("name: fixture-mix\n")
+    args = [
+        "report",
+        "--curated",
+        str(inputs.curate),
+        "--tokens",
+        str(inputs.tokens),
+        "--mixture",
+        str(spec),
+        "--output",
+        str(tmp_path / "site"),
+    ]
+    # Without a planner (the package exports names lazily through a module __getattr__).
+    for name in ("load_mixture", "plan_mixture"):
+        if name in vars(tokenmill.mixtures):
+            monkeypatch.delattr(tokenmill.mixtures, name)
+
+    def missing(name: str) -> object:
+        raise AttributeError(name)
+
+    monkeypatch.setattr(tokenmill.mixtures, "__getattr__", missing, raising=False)
+    assert main(args) == 2
+    assert "--plan" in capsys.readouterr().err
+
+    seen = {}
+
+    class Plan:
+        def to_json(self) -> dict:
+            return json.loads(inputs.plan.read_text())
+
+    def plan_mixture(mixture: object, counts: dict) -> Plan:
+        seen["counts"] = counts
+        return Plan()
+
+    monkeypatch.setattr(tokenmill.mixtures, "load_mixture", lambda path: path, raising=False)
+    monkeypatch.setattr(tokenmill.mixtures, "plan_mixture", plan_mixture, raising=False)
+    assert main(args) == 0
+    assert seen["counts"] == json.loads((inputs.tokens / "counts.json").read_text())
+    assert "fixture-mix" in (tmp_path / "site" / "index.html").read_text()
+
+
+FIXTURE_MIXTURE = """
+name: fixture-yaml
+tokenizer: tokenmill-bpe-8k
+total_tokens: 60K
+sequence_length: 128
+batch_size: 4
+block_size: 8
+max_epochs: 100
+phases:
+  - name: pretraining
+    share: 0.8
+    weights: {domain=web/*: 0.5, domain=code/*: 0.3, domain=math/*: 0.2}
+  - name: midtraining
+    share: 0.2
+    weights: {domain=science/*: 0.5, domain=web/quality>=3: 0.5}
+"""
+
+
+def test_mixture_with_the_real_planner(inputs: ReportInputs, tmp_path: Path) -> None:
+    """End to end through tokenmill.mixtures, where the planner exists in this tree."""
+    try:
+        from tokenmill.mixtures import load_mixture, plan_mixture  # noqa: F401
+    except ImportError:
+        pytest.skip("tokenmill.mixtures has no planner in this tree")
+    spec = tmp_path / "fixture.yaml"
+    spec.write_text(FIXTURE_MIXTURE)
+    previous = tmp_path / "previous.yaml"
+    previous.write_text(FIXTURE_MIXTURE.replace("share: 0.8", "share: 0.9").replace("share: 0.2", "share: 0.1"))
+    output = tmp_path / "site"
+    args = ["report", "--curated", str(inputs.curate), "--tokens", str(inputs.tokens), "--mixture", str(spec)]
+    assert main([*args, "--previous-mixture", str(previous), "--output", str(output)]) == 0
+    html = (output / "index.html").read_text()
+    assert "Mixture: fixture-yaml" in html and "Phase 2: midtraining" in html
+    assert "Changes from the previous revision" in html
+    plan = json.loads((output / "data" / "mixture" / "plan.json").read_text())
+    assert [p["name"] for p in plan["phases"]] == ["pretraining", "midtraining"]
+
+
+def test_without_stats_removed_or_rejected(inputs: ReportInputs, tmp_path: Path) -> None:
+    curate = tmp_path / "curate"
+    shutil.copytree(inputs.curate / "curated", curate / "curated")
+    result = build_site(
+        curated=str(curate / "curated"),  # the curated/ folder itself is accepted too
+        tokens=str(inputs.tokens),
+        plan=json.loads(inputs.plan.read_text()),
+        output=str(tmp_path / "site"),
+    )
+    html = (Path(result.output) / "index.html").read_text()
+    assert "No stats.json" in html and "Nothing was removed" in html and "No input was rejected" in html
+    assert not (Path(result.output) / "data" / "curate").exists()
+
+
+def test_hostile_cell_is_in_the_fixture(inputs: ReportInputs) -> None:
+    assert HOSTILE_DOMAIN in inputs.domains
+
+
+@pytest.mark.slow
+def test_scale_200_cells_10000_samples(tmp_path: Path) -> None:
+    """The size budget of docs/reports.md: 200 cells, 10,000 samples, index.html under 12 MB, built in 60 s."""
+    inputs = make_report_inputs(
+        tmp_path / "in", domains=40, docs_per_cell=100, hostile=False, missing_cells=False
+    )
+    start = time.perf_counter()
+    result = build_site(
+        curated=str(inputs.curate),
+        tokens=str(inputs.tokens),
+        plan=json.loads(inputs.plan.read_text()),
+        output=str(tmp_path / "site"),
+        options=OverviewOptions(samples_per_cell=50),
+    )
+    elapsed = time.perf_counter() - start
+    overview = json.loads((tmp_path / "site" / "data" / "overview.json").read_text())
+    assert len(overview["cells"]) == 200
+    assert sum(len(c["samples"]) for c in overview["cells"].values()) == 10_000
+    assert result.index_bytes < 12_000_000
+    assert elapsed < 60
