@@ -427,7 +427,9 @@ def test_mixture_with_the_real_planner(inputs: ReportInputs, tmp_path: Path) -> 
     spec = tmp_path / "fixture.yaml"
     spec.write_text(FIXTURE_MIXTURE)
     previous = tmp_path / "previous.yaml"
-    previous.write_text(FIXTURE_MIXTURE.replace("share: 0.8", "share: 0.9").replace("share: 0.2", "share: 0.1"))
+    previous.write_text(
+        FIXTURE_MIXTURE.replace("share: 0.8", "share: 0.9").replace("share: 0.2", "share: 0.1")
+    )
     output = tmp_path / "site"
     args = ["report", "--curated", str(inputs.curate), "--tokens", str(inputs.tokens), "--mixture", str(spec)]
     assert main([*args, "--previous-mixture", str(previous), "--output", str(output)]) == 0

@@ -35,13 +35,8 @@ from tokenmill.cells import cell_name
 from tokenmill.filters.base import DocumentStep
 from tokenmill.pipelines.readers import InputFields, read_file
 from tokenmill.pipelines.recipe import Recipe, build_steps
-from tokenmill.pipelines.sinks import (
-    DOCUMENT_SCHEMA,
-    REMOVED_SCHEMA,
-    WritePartitioned,
-    write_jsonl_zst,
-    write_parquet,
-)
+from tokenmill.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
+from tokenmill.pipelines.sinks import WritePartitioned, write_jsonl_zst, write_parquet
 
 log = logging.getLogger(__name__)
 

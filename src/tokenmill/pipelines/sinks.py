@@ -24,25 +24,6 @@ import zstandard
 
 from tokenmill import storage
 
-DOCUMENT_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("text", pa.string()),
-        ("source", pa.string()),
-        ("url", pa.string()),
-        ("metadata", pa.string()),
-        ("language", pa.string()),
-        ("language_score", pa.float32()),
-        ("quality_score", pa.float32()),
-        ("quality", pa.int8()),
-        ("domain", pa.string()),
-        ("domain_score", pa.float32()),
-        ("n_chars", pa.int64()),
-        ("n_words", pa.int64()),
-        ("dup_cluster", pa.string()),
-    ]
-)
-REMOVED_SCHEMA = DOCUMENT_SCHEMA.append(pa.field("detail", pa.string()))
 PARQUET_ROW_GROUP_ROWS = 16_384
 ZSTD_LEVEL = 3
 

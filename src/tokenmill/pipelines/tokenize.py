@@ -26,7 +26,12 @@ from apache_beam.metrics import Metrics
 from tokenmill import storage
 from tokenmill.cells import parse_cell
 from tokenmill.tokenize.shards import COUNTS, DTYPES, INDEX_DTYPE, MANIFEST
-from tokenmill.tokenize.tokenizer import TokenizerInfo, read_tokenizer_bytes, sha256_bytes, tokenizer_from_bytes
+from tokenmill.tokenize.tokenizer import (
+    TokenizerInfo,
+    read_tokenizer_bytes,
+    sha256_bytes,
+    tokenizer_from_bytes,
+)
 from tokenmill.tokenize.writer import (
     DEFAULT_BATCH_DOCUMENTS,
     DONE_SUFFIX,
@@ -104,7 +109,10 @@ class TokenizeShardFn(beam.DoFn):
 
 
 def _write_cell_manifest(
-    cell_markers: tuple[str, Iterable[dict[str, Any]]], output: str, info: TokenizerInfo, expected: dict[str, int]
+    cell_markers: tuple[str, Iterable[dict[str, Any]]],
+    output: str,
+    info: TokenizerInfo,
+    expected: dict[str, int],
 ) -> dict[str, Any]:
     cell, markers = cell_markers
     markers = list(markers)
@@ -114,8 +122,14 @@ def _write_cell_manifest(
     return write_manifest(output, cell, markers, info)
 
 
-def build_pipeline(pipeline, tasks: list[ShardTask], output: str, tokenizer_path: str, info: TokenizerInfo,
-                   batch_documents: int) -> None:
+def build_pipeline(
+    pipeline,
+    tasks: list[ShardTask],
+    output: str,
+    tokenizer_path: str,
+    info: TokenizerInfo,
+    batch_documents: int,
+) -> None:
     """Add the tokenize steps to a Beam pipeline."""
     expected: dict[str, int] = defaultdict(int)
     for task in tasks:
@@ -241,8 +255,13 @@ def _warn_stale(output: str, tasks: list[ShardTask]) -> None:
             if name.startswith("part-") and (cell, name.split(".", 1)[0]) not in expected
         )
         if stale:
-            log.warning("%s: %d files from an earlier run with more source files are not part of this run "
-                        "(not in the manifest; delete them if unwanted): %s", directory, len(stale), stale[:4])
+            log.warning(
+                "%s: %d files from an earlier run with more source files are not part of this run "
+                "(not in the manifest; delete them if unwanted): %s",
+                directory,
+                len(stale),
+                stale[:4],
+            )
 
 
 def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerInfo) -> dict[str, Any]:
@@ -253,22 +272,37 @@ def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerI
 
     tasks = discover_tasks(args.input)
     if not tasks:
-        raise InputError(f"no curated Parquet files under {args.input} (expected domain=<d>/quality=<q>/*.parquet)")
+        raise InputError(
+            f"no curated Parquet files under {args.input} (expected domain=<d>/quality=<q>/*.parquet)"
+        )
     output = args.output
     storage.make_dirs(output)
     _prepare_output(output, tasks)
-    log.info("tokenize: %d shards in %d cells, tokenizer %s (%s, vocabulary %d, %s, end-of-text id %d)",
-             len(tasks), len({t.cell for t in tasks}), info.name, info.sha256[:12], info.vocab_size, info.dtype,
-             info.eos_id)
+    log.info(
+        "tokenize: %d shards in %d cells, tokenizer %s (%s, vocabulary %d, %s, end-of-text id %d)",
+        len(tasks),
+        len({t.cell for t in tasks}),
+        info.name,
+        info.sha256[:12],
+        info.vocab_size,
+        info.dtype,
+        info.eos_id,
+    )
     started = time.monotonic()
     pipeline = make_pipeline(args, "tokenize")
-    build_pipeline(pipeline, tasks, output, tokenizer_path, info, args.batch_documents or DEFAULT_BATCH_DOCUMENTS)
+    build_pipeline(
+        pipeline, tasks, output, tokenizer_path, info, args.batch_documents or DEFAULT_BATCH_DOCUMENTS
+    )
     monitor_every = args.progress_seconds if storage.is_local(output) and args.runner == "local" else 0
     with ProgressMonitor(output, tasks, info.dtype, monitor_every):
         result = pipeline.run()
         result.wait_until_finish()
     seconds = time.monotonic() - started
-    summary: dict[str, Any] = {"shards": len(tasks), "cells": len({t.cell for t in tasks}), "seconds": seconds}
+    summary: dict[str, Any] = {
+        "shards": len(tasks),
+        "cells": len({t.cell for t in tasks}),
+        "seconds": seconds,
+    }
     try:
         counters = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
         for counter in counters:

@@ -1,0 +1,49 @@
+"""The document table: the Parquet schema that curate writes and every later stage reads.
+
+Kept here, apart from the Beam pipelines, so that the tokenizer, the reports and the trainer can read
+curated output without importing Beam. Columns and types are those of docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+DOCUMENT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("text", pa.string()),
+        ("source", pa.string()),
+        ("url", pa.string()),
+        ("metadata", pa.string()),
+        ("language", pa.string()),
+        ("language_score", pa.float32()),
+        ("quality_score", pa.float32()),
+        ("quality", pa.int8()),
+        ("domain", pa.string()),
+        ("domain_score", pa.float32()),
+        ("n_chars", pa.int64()),
+        ("n_words", pa.int64()),
+        ("dup_cluster", pa.string()),
+    ]
+)
+#: removed/ rows: the document columns plus `detail`, JSON saying why in numbers.
+REMOVED_SCHEMA = DOCUMENT_SCHEMA.append(pa.field("detail", pa.string()))
+
+# The cell is in the path and in the file; naming the partition types makes the two agree (pyarrow would
+# otherwise infer dictionary<int32> for `quality` from the path and refuse to merge it with int8).
+CURATED_PARTITIONING = ds.partitioning(pa.schema([("domain", pa.string()), ("quality", pa.int8())]),
+                                       flavor="hive")
+REMOVED_PARTITIONING = ds.partitioning(pa.schema([("stage", pa.string()), ("reason", pa.string())]),
+                                       flavor="hive")
+
+
+def curated_dataset(path: str) -> ds.Dataset:
+    """All of curated/ (or one cell folder) as a pyarrow dataset."""
+    return ds.dataset(path, format="parquet", schema=DOCUMENT_SCHEMA, partitioning=CURATED_PARTITIONING)
+
+
+def removed_dataset(path: str) -> ds.Dataset:
+    """All of removed/ as a pyarrow dataset, with `stage` and `reason` columns from the path."""
+    schema = REMOVED_SCHEMA.append(pa.field("stage", pa.string())).append(pa.field("reason", pa.string()))
+    return ds.dataset(path, format="parquet", schema=schema, partitioning=REMOVED_PARTITIONING)

@@ -1,0 +1,180 @@
+"""`tokenmill mixture check|plan|diff|schema` through the real command line entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tokenmill.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+MIXTURES = REPO / "mixtures"
+REFERENCE = str(MIXTURES / "marin-535b-a23b.yaml")
+SAMPLE_COUNTS = {
+    "format_version": 1,
+    "tokenizer": {"name": "tokenmill-bpe-8k", "sha256": "", "vocab_size": 8192},
+    "total_tokens": 0,
+    "total_documents": 0,
+    "cells": {
+        **{f"domain=web/quality={q}": {"tokens": 40_000 + 1_000 * q, "documents": 9} for q in range(5)},
+        "domain=code/quality=2": {"tokens": 30_000, "documents": 9},
+    },
+}
+
+
+@pytest.fixture
+def counts_file(tmp_path: Path) -> str:
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps(SAMPLE_COUNTS))
+    return str(path)
+
+
+def test_check_every_shipped_mixture(capsys, counts_file):
+    files = sorted(str(path) for path in MIXTURES.glob("*.yaml"))
+    assert main(["mixture", "check", *files]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == len(files) and all(": ok (" in line for line in out)
+    assert main(["mixture", "check", str(MIXTURES / "demo.yaml"), "--counts", counts_file]) == 0
+    assert "planned against" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", sorted(MIXTURES.glob("*.yaml")), ids=lambda p: p.name)
+def test_plan_every_shipped_mixture(capsys, counts_file, path):
+    extra = ["--counts", counts_file] if path.name == "demo.yaml" else []
+    assert main(["mixture", "plan", str(path), "--json", *extra]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["name"] == path.stem
+    assert document["phases"][-1]["end_step"] == document["total_steps"]
+    for phase in document["phases"]:
+        assert sum(source["tokens"] for source in phase["sources"]) == phase["tokens"]
+
+
+def test_plan_text(capsys):
+    assert main(["mixture", "plan", REFERENCE]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "phase pretraining: steps 0 to 447,035 (447,035 steps, 1,788,140 blocks), 15T tokens (asked 15T)"
+        in out
+    )
+    assert "phase midtraining: steps 447,035 to 558,794" in out
+    assert "(illustrative)" in out
+
+
+def test_plan_output_file(tmp_path, capsys, counts_file):
+    target = tmp_path / "plans" / "demo.json"
+    assert (
+        main(
+            ["mixture", "plan", str(MIXTURES / "demo.yaml"), "--counts", counts_file, "--output", str(target)]
+        )
+        == 0
+    )
+    assert json.loads(target.read_text())["name"] == "demo"
+    captured = capsys.readouterr()
+    assert "phase pretraining" in captured.out
+    assert "domain=math/* matches no cell in counts.json" in captured.err
+
+
+def test_plan_uses_the_specs_counts_file(tmp_path, capsys, counts_file):
+    spec = (MIXTURES / "demo.yaml").read_text().replace("../out/demo/tokens/counts.json", "counts.json")
+    (tmp_path / "demo.yaml").write_text(spec)
+    assert main(["mixture", "plan", str(tmp_path / "demo.yaml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_from"] == "counts.json"
+
+
+def test_plan_demo_without_counts_says_what_to_do(tmp_path, capsys):
+    spec = (
+        (MIXTURES / "demo.yaml").read_text().replace("../out/demo/tokens/counts.json", "missing/counts.json")
+    )
+    (tmp_path / "demo.yaml").write_text(spec)
+    assert main(["mixture", "plan", str(tmp_path / "demo.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"tokenmill mixture: error: {tmp_path / 'demo.yaml'}: planning needs token counts, and its counts "
+        f"file {tmp_path / 'missing/counts.json'} does not exist yet: run the tokenize stage first, or pass "
+        "--counts"
+    )
+
+
+def test_errors_are_one_line_with_file_path_and_line(tmp_path, capsys):
+    text = Path(REFERENCE).read_text().replace("      code-hq: 0.20\n", "      snippets: 0.20\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    assert main(["mixture", "check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    line = text.splitlines().index("      snippets: 0.20") + 1
+    assert (
+        err == f"tokenmill mixture: error: {bad}: phases[1].weights.snippets: unknown source (line {line})\n"
+    )
+
+
+def test_missing_file(capsys):
+    assert main(["mixture", "check", "nowhere.yaml"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "tokenmill mixture: error: nowhere.yaml: no such mixture file: nowhere.yaml\n"
+    )
+
+
+def test_schema(capsys, tmp_path):
+    assert main(["mixture", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "tokenmill mixture" and "phases" in schema["properties"]
+    assert main(["mixture", "schema", "--output", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text()) == schema
+
+
+def test_diff_files(tmp_path, capsys):
+    text = Path(REFERENCE).read_text().replace("total_tokens: 18.75T", "total_tokens: 20T")
+    (tmp_path / "marin-535b-a23b.yaml").write_text(text)
+    assert main(["mixture", "diff", REFERENCE, str(tmp_path / "marin-535b-a23b.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "total_tokens 18.75T -> 20T (+1.25T, +6.7%)" in out
+    assert "phase pretraining (changed): tokens 15T -> 16T" in out
+    assert "web-q4" in out and "epochs 2.002 -> 2.135" in out
+    assert main(["mixture", "diff", REFERENCE, str(tmp_path / "marin-535b-a23b.yaml"), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["fields"]["total_tokens"] == [18_750_000_000_000, 20_000_000_000_000]
+
+
+def test_diff_same_file(capsys):
+    assert main(["mixture", "diff", REFERENCE, REFERENCE]) == 0
+    assert "no change in steps, tokens or epochs" in capsys.readouterr().out
+
+
+def test_diff_git_revisions(tmp_path, capsys, monkeypatch):
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "mixtures").mkdir()
+    spec = tmp_path / "mixtures" / "marin-535b-a23b.yaml"
+    spec.write_text(Path(REFERENCE).read_text())
+    rung = tmp_path / "mixtures" / "marin-ladder-48b.yaml"
+    rung.write_text((MIXTURES / "marin-ladder-48b.yaml").read_text())
+    subprocess.run([*git, "-C", str(tmp_path), "add", "."], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-q", "-m", "one"], check=True)
+    spec.write_text(
+        spec.read_text().replace(
+            "      wiki: 0.03\n      forum: 0.05\n", "      wiki: 0.05\n      forum: 0.03\n"
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    assert (
+        main(["mixture", "diff", "HEAD:mixtures/marin-535b-a23b.yaml", "mixtures/marin-535b-a23b.yaml"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "phase midtraining (changed)" in out and "wiki" in out and "forum" in out
+    # a slice read from git finds its parent in the same revision
+    assert (
+        main(["mixture", "diff", "HEAD:mixtures/marin-ladder-48b.yaml", "mixtures/marin-ladder-48b.yaml"])
+        == 0
+    )
+    assert "wiki" in capsys.readouterr().out
+    assert main(["mixture", "diff", "HEAD~5:mixtures/x.yaml", "mixtures/marin-535b-a23b.yaml"]) == 2
+    assert "git cannot show it" in capsys.readouterr().err
+
+
+def test_mixture_without_action_prints_help(capsys):
+    assert main(["mixture"]) == 2
+    assert "check" in capsys.readouterr().out

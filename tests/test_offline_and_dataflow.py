@@ -1,0 +1,117 @@
+"""Nothing downloads at run time; the Dataflow job graph builds and every DoFn survives pickling."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+
+import apache_beam as beam
+from apache_beam.internal import pickler
+from apache_beam.options.pipeline_options import WorkerOptions
+from conftest import SAMPLE, WEB_RECIPE, run_tokenmill
+
+from tokenmill.pipelines.curate import CurateRun, build_pipeline
+from tokenmill.pipelines.options import add_runner_arguments, make_pipeline, pipeline_flags
+from tokenmill.pipelines.recipe import load_recipe
+
+# Loaded by every Python process of the run (the CLI and Beam's worker processes) through PYTHONPATH:
+# any connection or name lookup beyond loopback is refused and written down.
+BLOCK_NETWORK = textwrap.dedent(
+    """
+    import os, socket
+
+    LOG = os.environ["TOKENMILL_NETWORK_LOG"]
+    LOCAL = ("127.", "::1", "localhost", "0.0.0.0")
+
+    def _refuse(what):
+        with open(LOG, "a") as log:
+            log.write(repr(what) + "\\n")
+        raise OSError("network blocked by the test: " + repr(what))
+
+    _connect = socket.socket.connect
+    _getaddrinfo = socket.getaddrinfo
+
+    def connect(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and not str(address[0]).startswith(LOCAL):
+            _refuse(address)
+        return _connect(self, address)
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host is not None and not str(host).startswith(LOCAL):
+            _refuse(host)
+        return _getaddrinfo(host, *args, **kwargs)
+
+    socket.socket.connect = connect
+    socket.getaddrinfo = getaddrinfo
+    """
+)
+
+
+def test_curate_runs_with_the_network_blocked(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCK_NETWORK)
+    log = tmp_path / "network.log"
+    env = {"PYTHONPATH": str(site), "TOKENMILL_NETWORK_LOG": str(log), "HF_HUB_OFFLINE": "0",
+           # A fresh spaCy/datatrove cache: nothing may be fetched into it either.
+           "HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = run_tokenmill("curate", "--recipe", str(WEB_RECIPE), "--input", str(SAMPLE / "*"), "--output",
+                           str(tmp_path / "out"), "--workers", "2", env=env)
+    assert "balanced: True" in result.stdout
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["kept"]["documents"] > 100
+    # The guard was live (Beam's workers talk over loopback, which it allows) and refused nothing.
+    assert not log.exists(), log.read_text()
+
+
+def dataflow_args(*extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_runner_arguments(parser)
+    return parser.parse_args(["--runner", "dataflow", "--project", "tokenmill-test", "--region", "us-central1",
+                              "--temp_location", "gs://tokenmill-test/tmp", "--machine_type", "n2-standard-8",
+                              "--workers", "50", *extra])
+
+
+def test_dataflow_flags():
+    flags = pipeline_flags(dataflow_args("--max_num_workers", "200"))
+    assert "--runner=DataflowRunner" in flags
+    assert "--num_workers=50" in flags and "--max_num_workers=200" in flags
+    assert "--machine_type=n2-standard-8" in flags
+    assert any(flag.startswith("--setup_file=") and flag.endswith("setup.py") for flag in flags)
+    wheel_flags = pipeline_flags(dataflow_args("--extra_package", "dist/tokenmill-0.1.0-py3-none-any.whl"))
+    assert "--extra_package=dist/tokenmill-0.1.0-py3-none-any.whl" in wheel_flags
+    assert not any(flag.startswith("--setup_file") for flag in wheel_flags)
+
+
+def test_dataflow_job_graph_builds_and_every_dofn_pickles():
+    recipe = load_recipe(WEB_RECIPE)
+    run = CurateRun(recipe, str(WEB_RECIPE), ["gs://tokenmill-test/raw/a.jsonl.zst"], "gs://tokenmill-test/out")
+    # A dry run builds the package for the workers (an sdist from setup.py) and the job, and submits nothing.
+    pipeline = make_pipeline(dataflow_args("--dry_run"), "curate")
+    build_pipeline(pipeline, run)
+
+    dofns = []
+
+    class CollectDoFns(beam.pipeline.PipelineVisitor):
+        def visit_transform(self, applied):
+            if isinstance(applied.transform, beam.ParDo):
+                dofns.append(applied.transform.dofn)
+
+    pipeline.visit(CollectDoFns())
+    assert len(dofns) > 10
+    for dofn in dofns:
+        restored = pickler.loads(pickler.dumps(dofn))
+        assert type(restored) is type(dofn)
+    step_names = {type(dofn).__name__ for dofn in dofns}
+    assert {"ReadFile", "ApplyStep", "_WriteFile", "WriteStats"} <= step_names
+
+    result = pipeline.run()  # DataflowRunner with --dry_run: translates to a Dataflow job, submits nothing
+    assert result.state == "DONE"
+    job = result.job
+    assert job.proto.name == "tokenmill-curate"
+    worker_options = pipeline.options.view_as(WorkerOptions)
+    assert (worker_options.machine_type, worker_options.num_workers) == ("n2-standard-8", 50)
+    transforms = {t.unique_name for t in job.proto_pipeline.components.transforms.values()}
+    assert {"Read", "ExactDedupe", "WriteCurated", "WriteRemoved", "WriteRejected", "WriteStats"} <= {
+        name.split("/")[0] for name in transforms}

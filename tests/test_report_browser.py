@@ -1,0 +1,246 @@
+"""The report pages in a real browser: Debian's headless Chromium, driven by selenium, opening files from disk.
+
+Checks what only a browser can: no console errors (a Content-Security-Policy violation is one), one
+heatmap cell per (domain, quality), the search box filters, a document holding `<script>` runs nothing,
+and the layout survives hostile text. Screenshots go to test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tokenmill.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report_fixtures import ReportInputs, make_report_inputs  # noqa: E402
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> ReportInputs:
+    return make_report_inputs(tmp_path_factory.mktemp("browser-inputs"))
+
+
+@pytest.fixture(scope="module")
+def site(inputs: ReportInputs, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("browser-site")
+    args = [
+        "report",
+        "--curated",
+        str(inputs.curate),
+        "--tokens",
+        str(inputs.tokens),
+        "--plan",
+        str(inputs.plan),
+    ]
+    args += ["--previous-plan", str(inputs.previous_plan), "--run", str(inputs.run), "--output", str(output)]
+    assert main(args) == 0
+    return output
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
+    if missing:
+        pytest.fail(
+            f"{', '.join(missing)} not found: run `make browser` to install Debian's chromium and chromium-driver"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="tokenmill-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        "--window-size=1280,1000",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def console_errors(driver) -> list[dict]:
+    return [entry for entry in driver.get_log("browser") if entry.get("level") in ("SEVERE", "ERROR")]
+
+
+def open_page(driver, path: Path) -> None:
+    # Through a blank page, so that no state of an earlier test (unfolded details, a search) carries over.
+    driver.get("about:blank")
+    driver.get(path.as_uri())
+    driver.execute_script("return document.readyState")
+
+
+def screenshot(driver, name: str) -> Path:
+    """A full-page screenshot: grow the window to the page's height, then shrink it back."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1280, min(int(height) + 40, 12000))
+    path = ARTIFACTS / name
+    driver.save_screenshot(str(path))
+    driver.set_window_size(1280, 1000)
+    return path
+
+
+def visible(driver, selector: str) -> list[str]:
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0]))"
+        ".filter(e => e.offsetParent !== null || e.getClientRects().length > 0)"
+        ".map(e => e.getAttribute('data-domain') || e.textContent);",
+        selector,
+    )
+
+
+def search(driver, text: str) -> str:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    box = driver.find_element(By.ID, "search")
+    box.clear()
+    if text:
+        box.send_keys(text)
+    else:
+        driver.execute_script("arguments[0].dispatchEvent(new Event('input'))", box)
+    status = driver.find_element(By.ID, "search-status")
+    WebDriverWait(driver, 5).until(lambda d: status.get_attribute("data-query") == text.strip().lower())
+    return status.text
+
+
+def test_index_opens_from_disk_without_errors(browser, site: Path, inputs: ReportInputs) -> None:
+    open_page(browser, site / "index.html")
+    assert browser.title == "Data overview"
+    # Open every fold, so that all samples (the hostile ones among them) are rendered.
+    browser.execute_script("document.querySelectorAll('details').forEach(d => d.open = true)")
+    shot = screenshot(browser, "report-index.png")
+    assert shot.stat().st_size > 10_000
+    assert console_errors(browser) == []
+    cells = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.heat-cell'))"
+        ".map(e => e.getAttribute('data-row') + '/' + e.getAttribute('data-column'))"
+    )
+    assert len(cells) == len(set(cells)) == len(inputs.domains) * 5
+    assert set(cells) == {f"{d}/q{q}" for d in inputs.domains for q in range(5)}
+    # Clicking a heatmap cell lands on that cell's samples, unfolded.
+    browser.execute_script("document.querySelectorAll('details').forEach(d => d.open = false)")
+    browser.execute_script("location.hash = '#cell-math-q3'")
+    assert browser.execute_script("return document.getElementById('cell-math-q3').open") is True
+
+
+def test_hostile_samples_run_nothing_and_break_no_layout(browser, site: Path, inputs: ReportInputs) -> None:
+    open_page(browser, site / "index.html")
+    browser.execute_script("document.querySelectorAll('details').forEach(d => d.open = true)")
+    assert browser.execute_script("return typeof window.__pwned") == "undefined"
+    assert browser.title == "Data overview"
+    texts = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#domain-web .sample-text')).map(e => e.textContent)"
+    )
+    assert any("<script>window.__pwned" in t for t in texts)
+    assert any("</textarea></pre></div>" in t for t in texts)
+    # The javascript: URL is text, not a link.
+    assert (
+        browser.execute_script(
+            "return Array.from(document.querySelectorAll('a')).filter(a => a.protocol === 'javascript:').length"
+        )
+        == 0
+    )
+    # Structure intact: every card, every section, the footer after them; the body is displayed.
+    assert browser.execute_script("return document.querySelectorAll('article.domain-card').length") == len(
+        inputs.domains
+    )
+    assert browser.execute_script(
+        "return Array.from(document.querySelectorAll('main > section')).map(s => s.id)"
+    ) == [
+        "summary",
+        "heatmap",
+        "domains",
+        "curation",
+        "mixture",
+        "data",
+    ]
+    assert browser.execute_script("return getComputedStyle(document.body).display") == "block"
+    assert browser.execute_script("return document.querySelector('body > footer') !== null")
+    # A sample does not stretch the page sideways.
+    assert browser.execute_script("return document.documentElement.scrollWidth") <= 1280
+    assert console_errors(browser) == []
+
+
+def test_search_filters_domains_and_samples(browser, site: Path, inputs: ReportInputs) -> None:
+    open_page(browser, site / "index.html")
+    everything = len(visible(browser, ".domain-card"))
+    assert everything == len(inputs.domains)
+
+    status = search(browser, "math")
+    assert visible(browser, ".domain-card") == ["math"]
+    assert status.startswith("1 of ")
+    dimmed = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.heat-row.dim')).map(r => r.getAttribute('data-row'))"
+    )
+    assert sorted(dimmed) == sorted(d for d in inputs.domains if d != "math")
+
+    # A word from one document's text: that document alone, its fold opened.
+    search(browser, "hostile-textarea")
+    assert visible(browser, ".domain-card") == ["web"]
+    shown = visible(browser, ".domain-card .sample")
+    assert len(shown) == 1 and "HOSTILE-TEXTAREA" in shown[0]
+
+    search(browser, "no-such-text-anywhere")
+    assert visible(browser, ".domain-card") == []
+
+    status = search(browser, "")
+    assert len(visible(browser, ".domain-card")) == everything
+    assert "match" not in status
+    assert browser.execute_script("return document.querySelectorAll('details.samples[open]').length") == 0
+    screenshot(browser, "report-index-top.png")
+    assert console_errors(browser) == []
+
+
+def test_run_page(browser, site: Path) -> None:
+    open_page(browser, site / "run.html")
+    charts = browser.execute_script(
+        "return Array.from(document.querySelectorAll('figure.run-chart')).map(f => f.getAttribute('data-chart'))"
+    )
+    for title in (
+        "Training loss",
+        "Learning rate",
+        "Throughput",
+        "Expert load imbalance",
+        "Dropped assignments",
+    ):
+        assert title in charts
+    # Every chart drew a line.
+    assert (
+        browser.execute_script(
+            "return Array.from(document.querySelectorAll('figure.run-chart')).filter(f => !f.querySelector('path')).length"
+        )
+        == 0
+    )
+    screenshot(browser, "report-run.png")
+    assert console_errors(browser) == []
