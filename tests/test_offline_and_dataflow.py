@@ -113,5 +113,5 @@ def test_dataflow_job_graph_builds_and_every_dofn_pickles():
     worker_options = pipeline.options.view_as(WorkerOptions)
     assert (worker_options.machine_type, worker_options.num_workers) == ("n2-standard-8", 50)
     transforms = {t.unique_name for t in job.proto_pipeline.components.transforms.values()}
-    assert {"Read", "ExactDedupe", "WriteCurated", "WriteRemoved", "WriteRejected", "WriteStats"} <= {
+    assert {"Read", "Step2_exact_dedupe", "WriteCurated", "WriteRemoved", "WriteRejected", "WriteStats"} <= {
         name.split("/")[0] for name in transforms}

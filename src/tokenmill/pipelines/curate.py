@@ -34,7 +34,7 @@ from tokenmill import storage
 from tokenmill.cells import cell_name
 from tokenmill.filters.base import DocumentStep
 from tokenmill.pipelines.readers import InputFields, read_file
-from tokenmill.pipelines.recipe import Recipe, build_steps
+from tokenmill.pipelines.recipe import GroupingStep, Recipe, build_steps
 from tokenmill.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
 from tokenmill.pipelines.sinks import WritePartitioned, write_jsonl_zst, write_parquet
 
@@ -139,12 +139,13 @@ class ExactDedupe(beam.PTransform):
     """Group documents by a 128-bit hash of their normalized text; keep one copy per group."""
 
     def expand(self, documents):
-        return (
+        result = (
             documents
             | "KeyByTextHash" >> beam.Map(lambda document: (text_hash(document["text"]), document))
             | "GroupByText" >> beam.GroupByKey()
             | "KeepFirstCopy" >> beam.FlatMap(_keep_first_copy).with_outputs("removed", main="kept")
         )
+        return {"kept": result.kept, "removed": result.removed}
 
 
 def _fill_cell(document: dict, domain: str, quality: int) -> dict:
@@ -261,6 +262,18 @@ def build_stats(entries: list, run: CurateRun) -> dict:
     }
 
 
+def merge_numbers(values: Iterable[dict]) -> dict:
+    """Sum dicts of numbers (nested dicts summed key by key): how stage statistics combine."""
+    total: dict = {}
+    for value in values:
+        for key, number in value.items():
+            if isinstance(number, dict):
+                total[key] = merge_numbers([total.get(key, {}), number])
+            else:
+                total[key] = total.get(key, 0) + number
+    return total
+
+
 def _add(total: list[int], counts) -> None:
     for index, value in enumerate(counts):
         total[index] += value
@@ -270,8 +283,9 @@ class WriteStats(beam.DoFn):
     def __init__(self, run: CurateRun):
         self.run = run
 
-    def process(self, entries, files):
+    def process(self, entries, files, stage_stats):
         stats = build_stats(sorted(entries), self.run)
+        stats["stages"] = dict(sorted(stage_stats))
         stats["files"] = {f"{folder}/{relative}": rows for folder, (relative, rows) in sorted(files)}
         storage.write_json(storage.join(self.run.output, "stats.json"), stats)
         yield stats
@@ -293,15 +307,17 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
     read_stats = documents | "CountRead" >> beam.FlatMap(_read_entries, chars_per_token)
 
     removed_parts = []
+    stage_stats_parts = []
     batches = documents | "Batch0" >> beam.BatchElements(min_batch_size=recipe.batch_size,
                                                          max_batch_size=recipe.batch_size)
     for position, step in enumerate(steps):
-        if isinstance(step, str):  # a grouping stage: unbatch, group, batch again
-            assert step == "exact_dedupe"
+        if isinstance(step, GroupingStep):  # compares documents: unbatch, run the transform, batch again
             unbatched = batches | f"Unbatch{position}" >> beam.FlatMap(lambda batch: batch)
-            result = unbatched | "ExactDedupe" >> ExactDedupe()
-            removed_parts.append(result.removed)
-            batches = result.kept | f"Batch{position}" >> beam.BatchElements(
+            result = unbatched | f"Step{position}_{step.stage}" >> step.transform
+            removed_parts.append(result["removed"])
+            if "stats" in result:
+                stage_stats_parts.append(result["stats"])
+            batches = result["kept"] | f"Batch{position}" >> beam.BatchElements(
                 min_batch_size=recipe.batch_size, max_batch_size=recipe.batch_size)
             continue
         result = batches | f"Step{position}_{step.stage}" >> beam.ParDo(ApplyStep(step)).with_outputs(
@@ -362,11 +378,18 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         | "AllFiles" >> beam.Flatten()
         | "FileList" >> beam.combiners.ToList()
     )
+    stage_stats = (
+        tuple(stage_stats_parts)
+        | "AllStageStats" >> beam.Flatten(pipeline=pipeline)
+        | "MergeStageStats" >> beam.CombinePerKey(merge_numbers)
+        | "StageStatsList" >> beam.combiners.ToList()
+    )
     (
         outcome_stats
         | "SumStats" >> beam.CombinePerKey(_sum_triples)
         | "StatsList" >> beam.combiners.ToList()
-        | "WriteStats" >> beam.ParDo(WriteStats(run), files=beam.pvalue.AsSingleton(files))
+        | "WriteStats" >> beam.ParDo(WriteStats(run), files=beam.pvalue.AsSingleton(files),
+                                     stage_stats=beam.pvalue.AsSingleton(stage_stats))
     )
 
 

@@ -17,10 +17,20 @@ stages:
 `stages` run in the order written, after normalization; each entry names one stage kind and its
 parameters. Heuristic filters take datatrove's own parameter names. An unknown stage or parameter is
 an error that names the recipe file and the stage's position.
+
+A new stage is one entry in a registry below: a per-document stage is a `DocumentStep` class (see
+tokenmill.filters.base); a stage that compares documents with each other (dedupe) is a Beam PTransform
+named by import path, whose `expand(documents)` returns a dict with the PCollections `kept` and
+`removed` (removed documents carry `stage`, `reason`, `detail`), and optionally `stats`: (stage,
+{name: number or nested dict of numbers}) pairs, summed into stats.json under `stages.<stage>`.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +44,33 @@ from tokenmill.filters.normalize import Normalize
 from tokenmill.pipelines.readers import InputFields
 from tokenmill.units import parse_count
 
-#: Stages that group documents across inputs, and so are Beam transforms rather than DocumentSteps.
-GROUPING_STAGES = ("exact_dedupe",)
-DOCUMENT_STAGES = ("language", *FILTER_CLASSES)
+
+
+def _heuristic_filter(kind: str, language: str = "en", shared_words: bool = True, **params: Any) -> HeuristicFilter:
+    step = HeuristicFilter(kind, params, language=language, shared_words=shared_words)
+    datatrove_filter_class(kind)(**params)  # datatrove checks its own parameter names here
+    return step
+
+
+#: Per-document stages: kind -> factory(**params) -> DocumentStep.
+DOCUMENT_STAGES: dict[str, Callable[..., DocumentStep]] = {
+    "language": LanguageFilter,
+    **{kind: partial(_heuristic_filter, kind) for kind in FILTER_CLASSES},
+}
+#: Stages that compare documents across inputs: kind -> "module:PTransform" (imported when used, so that
+#: recipes load without Beam's start-up cost where only the per-document stages are needed).
+GROUPING_STAGES: dict[str, str] = {
+    "exact_dedupe": "tokenmill.pipelines.curate:ExactDedupe",
+}
 STAGE_KINDS = (*DOCUMENT_STAGES, *GROUPING_STAGES)
+
+
+@dataclass
+class GroupingStep:
+    """A recipe stage that is a Beam transform over all documents (see the module docstring)."""
+
+    stage: str
+    transform: Any
 
 
 class RecipeError(ValueError):
@@ -103,26 +136,20 @@ class Recipe(BaseModel):
         return ["normalize", *[kind for kind, _ in self.stage_list()]]
 
 
-def build_step(kind: str, params: dict, where: str) -> DocumentStep | str:
-    """The DocumentStep for a per-document stage, or the kind itself for a grouping stage."""
+def build_step(kind: str, params: dict, where: str) -> DocumentStep | GroupingStep:
+    """The step for one recipe stage; bad parameters are a RecipeError naming `where`."""
     try:
         if kind in GROUPING_STAGES:
-            if params:
-                raise TypeError(f"{kind} takes no parameters, got {sorted(params)}")
-            return kind
-        if kind == "language":
-            return LanguageFilter(**params)
-        language = params.pop("language", "en")
-        shared_words = params.pop("shared_words", True)
-        step = HeuristicFilter(kind, params, language=language, shared_words=shared_words)
-        datatrove_filter_class(kind)(**params)  # datatrove checks its own parameter names here
-        return step
-    except TypeError as error:
+            module_name, class_name = GROUPING_STAGES[kind].split(":")
+            transform_class = getattr(importlib.import_module(module_name), class_name)
+            return GroupingStep(kind, transform_class(**params))
+        return DOCUMENT_STAGES[kind](**params)
+    except (TypeError, ValueError) as error:
         raise RecipeError(f"{where}: bad parameters for {kind}: {error}") from None
 
 
-def build_steps(recipe: Recipe, source: str = "recipe") -> list[DocumentStep | str]:
-    steps: list[DocumentStep | str] = [Normalize(max_chars=recipe.normalize.max_chars)]
+def build_steps(recipe: Recipe, source: str = "recipe") -> list[DocumentStep | GroupingStep]:
+    steps: list[DocumentStep | GroupingStep] = [Normalize(max_chars=recipe.normalize.max_chars)]
     for position, (kind, params) in enumerate(recipe.stage_list()):
         steps.append(build_step(kind, params, f"{source}: stages[{position}]"))
     return steps

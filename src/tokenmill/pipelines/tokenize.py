@@ -268,7 +268,7 @@ def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerI
     """Run the pipeline; returns a summary (cells, shards written and kept, totals, seconds)."""
     from apache_beam.metrics.metric import MetricsFilter
 
-    from tokenmill.pipelines.options import make_pipeline
+    from tokenmill.pipelines.options import local_worker_count, make_pipeline
 
     tasks = discover_tasks(args.input)
     if not tasks:
@@ -288,6 +288,11 @@ def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerI
         info.dtype,
         info.eos_id,
     )
+    if args.runner == "local":
+        # No more worker processes than shards: each costs a Beam start-up, and one worker already uses
+        # every core inside encode_batch.
+        args = argparse.Namespace(**vars(args))
+        args.workers = min(local_worker_count(args.workers), len(tasks))
     started = time.monotonic()
     pipeline = make_pipeline(args, "tokenize")
     build_pipeline(
