@@ -483,3 +483,28 @@ def test_two_hundred_cells_plan_quickly(tmp_path):
     plan = plan_mixture(load_mixture_text(text), counts_of(cells))
     assert time.perf_counter() - started < 5
     assert len(plan.sources) == 200 and len(plan.phases[0].sources) == 200
+
+
+def test_a_cell_drawn_by_two_sources_over_their_cap_is_a_warning():
+    # Only web q0 exists: domain=web/* takes all of pretraining, domain=web/quality<=2 all of midtraining;
+    # each stays under max_epochs 100, but the one cell they share is drawn about 105 times.
+    plan = plan_mixture(load_mixture(MIXTURES / "demo.yaml"), counts_of({"domain=web/quality=0": 19_000}))
+    assert plan.sources["domain=web/*"].epochs < 100 and plan.sources["domain=web/quality<=2"].epochs < 100
+    assert plan.cells["domain=web/quality=0"]["epochs"] == pytest.approx(
+        plan.sources["domain=web/*"].epochs + plan.sources["domain=web/quality<=2"].epochs
+    )
+    assert any(
+        w.startswith(
+            "cells drawn by several sources repeat more than their max_epochs: domain=web/quality=0 105."
+        )
+        for w in plan.warnings
+    )
+
+
+def test_plan_carries_the_tokenizer_hash_of_the_counts():
+    counts = counts_of(SAMPLE_CELLS)
+    counts["tokenizer"]["sha256"] = "ab" * 32
+    plan = plan_mixture(load_mixture(MIXTURES / "demo.yaml"), counts)
+    assert plan.to_json()["tokenizer_sha256"] == "ab" * 32
+    assert plan.to_dict() == plan.to_json()
+    assert plan_mixture(load_mixture(REFERENCE)).to_json()["tokenizer_sha256"] is None

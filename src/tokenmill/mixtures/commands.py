@@ -90,6 +90,12 @@ def _usage(error: Exception) -> UsageError:
 
 
 def _git_show(spec: str) -> str:
+    if ":" not in spec:  # a parent reached by '..' out of the revision's folder: read the working tree
+        try:
+            with open(spec, encoding="utf-8") as handle:
+                return handle.read()
+        except OSError as error:
+            raise UsageError(f"cannot read {spec}: {error}") from None
     revision, path = spec.split(":", 1)
     target = path if path.startswith(("/", "./")) else "./" + path
     try:

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 PathPart = str | int
+# One line stays readable with a few problems; a spec with fifty wrong weights needs the first few to start.
+MAX_SHOWN = 5
 Path = tuple[PathPart, ...]
 
 
@@ -51,7 +53,11 @@ class MixtureError(ValueError):
             issues = [Issue("", issues, None, file)]
         self.issues = list(issues)
         self.file = file or next((issue.file for issue in self.issues if issue.file), None)
-        super().__init__("; ".join(str(issue) for issue in self.issues))
+        shown = [str(issue) for issue in self.issues[:MAX_SHOWN]]
+        if len(self.issues) > MAX_SHOWN:
+            more = len(self.issues) - MAX_SHOWN
+            shown.append(f"and {more} more problem{'s' if more > 1 else ''}")
+        super().__init__("; ".join(shown))
 
 
 class NeedsCounts(MixtureError):

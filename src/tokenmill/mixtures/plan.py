@@ -32,7 +32,7 @@ from fractions import Fraction
 from typing import Any
 
 from tokenmill.cells import parse_cell
-from tokenmill.mixtures.errors import Issue, MixtureError, NeedsCounts
+from tokenmill.mixtures.errors import Issue, MixtureError, NeedsCounts, format_path
 from tokenmill.mixtures.spec import Mixture, Phase, Source
 from tokenmill.units import format_count
 
@@ -166,16 +166,23 @@ class Plan:
     cells: dict[str, dict[str, Any]]
     warnings: list[str]
     description: str | None = None
+    tokenizer_sha256: str | None = None  # from counts.json, when planned against it
 
     def phase(self, name: str) -> PhasePlan:
         return next(phase for phase in self.phases if phase.name == name)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The same as to_json(): a JSON-ready dict (callers probe for either name)."""
+        return self.to_json()
+
     def to_json(self) -> dict[str, Any]:
+        """The plan as a JSON-ready dict, the docs/formats.md "Mixture plan" document."""
         return {
             "format_version": PLAN_FORMAT_VERSION,
             "name": self.name,
             "description": self.description,
             "tokenizer": self.tokenizer,
+            "tokenizer_sha256": self.tokenizer_sha256,
             "total_tokens": self.total_tokens,
             "sequence_length": self.sequence_length,
             "batch_size": self.batch_size,
@@ -264,9 +271,13 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
     """
     warnings: list[str] = []
     catalog = _catalog(counts, warnings) if counts is not None else None
+    tokenizer_sha256 = None
     if catalog is not None:
-        counts_tokenizer = (counts or {}).get("tokenizer", {})
-        counts_tokenizer = counts_tokenizer.get("name") if isinstance(counts_tokenizer, Mapping) else None
+        counts_tokenizer_info = (counts or {}).get("tokenizer", {})
+        if not isinstance(counts_tokenizer_info, Mapping):
+            counts_tokenizer_info = {}
+        counts_tokenizer = counts_tokenizer_info.get("name")
+        tokenizer_sha256 = counts_tokenizer_info.get("sha256") or None
         if counts_tokenizer and mixture.tokenizer and counts_tokenizer != mixture.tokenizer:
             warnings.append(
                 f"tokenizer: the mixture names {mixture.tokenizer!r} but counts.json was made with "
@@ -276,31 +287,12 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
     length, batch, block = mixture.sequence_length, mixture.batch_size, mixture.block_size
     tokens_per_step = length * batch
     block_steps = math.lcm(batch, block) // batch
-    granule_tokens = block_steps * tokens_per_step
-
-    # Phase boundaries, rounded half up to whole granules of block_steps steps.
-    issues: list[Issue] = []
-    ends: list[int] = []
-    cumulative = Fraction(0)
-    for index, phase in enumerate(mixture.phases):
-        cumulative += phase.budget
-        target = Fraction(mixture.total_tokens) if index == len(mixture.phases) - 1 else cumulative
-        ends.append(math.floor(target / granule_tokens + Fraction(1, 2)) * block_steps)
+    ends = _phase_ends(mixture, block_steps)
     starts = [0, *ends[:-1]]
-    for phase, start, end in zip(mixture.phases, starts, ends, strict=True):
-        if end <= start:
-            issues.append(
-                phase.where.issue(
-                    f"{_fc(phase.budget)} tokens round to no steps: phase boundaries fall on whole mixture "
-                    f"blocks, here {block_steps} step(s) of {tokens_per_step:,} tokens; give the phase more "
-                    "tokens or use a smaller block_size or batch_size"
-                )
-            )
-    if issues:
-        raise MixtureError(issues)
 
     resolved = _resolve_sources(mixture, catalog, warnings)
 
+    issues: list[Issue] = []
     remaining = {name: item.allowance for name, item in resolved.items()}
     used = dict.fromkeys(resolved, 0)
     phase_plans: list[PhasePlan] = []
@@ -336,7 +328,7 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
                 moved = sum(asked[name] - given[name] for name in short) * sequence_tokens
                 names = ", ".join(short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5 else "")
                 warnings.append(
-                    f"{phase.where.issue('').path} ({phase.name}): {names} at max_epochs; "
+                    f"{format_path(phase.where.path)} ({phase.name}): {names} at max_epochs; "
                     f"{_fc(moved)} tokens went to the other sources by weight"
                 )
         else:
@@ -348,7 +340,7 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
             tokens = count * sequence_tokens
             remaining[name] -= tokens
             used[name] += tokens
-            if weight > 0 and count == 0 and asked[name] == 0:
+            if weight > 0 and count == 0 and asked.get(name) == 0:
                 warnings.append(
                     str(
                         phase.weight_where[name].issue(
@@ -360,14 +352,13 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
             elif (
                 count
                 and abs(count / block - weight) > WEIGHT_DEVIATION_WARNING * weight
-                and count == asked[name]
+                and count == asked.get(name)
             ):
                 warnings.append(
                     str(
                         phase.weight_where[name].issue(
                             f"weight {float(weight):.4g} becomes {count}/{block} = {count / block:.4g} "
-                            "per block; "
-                            "raise block_size for a closer match"
+                            "per block; raise block_size for a closer match"
                         )
                     )
                 )
@@ -431,6 +422,7 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
         name=mixture.name,
         description=mixture.description,
         tokenizer=mixture.tokenizer,
+        tokenizer_sha256=tokenizer_sha256,
         total_tokens=mixture.total_tokens,
         sequence_length=length,
         batch_size=batch,
@@ -445,9 +437,34 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
         illustrative=mixture.illustrative and catalog is None,
         slice=slice_info,
         sources=totals,
-        cells=_cell_totals(catalog, resolved, used, mixture) if catalog is not None else {},
+        cells=_cell_totals(catalog, resolved, used, mixture, warnings) if catalog is not None else {},
         warnings=warnings,
     )
+
+
+def _phase_ends(mixture: Mixture, block_steps: int) -> list[int]:
+    """Each phase's end step: the cumulative budget rounded, half up, to whole granules of block_steps."""
+    granule_tokens = block_steps * mixture.batch_size * mixture.sequence_length
+    ends: list[int] = []
+    cumulative = Fraction(0)
+    for index, phase in enumerate(mixture.phases):
+        cumulative += phase.budget
+        # The last phase ends at the run's budget even when shares summed to 1 only within tolerance.
+        target = Fraction(mixture.total_tokens) if index == len(mixture.phases) - 1 else cumulative
+        ends.append(math.floor(target / granule_tokens + Fraction(1, 2)) * block_steps)
+    issues = []
+    for phase, start, end in zip(mixture.phases, [0, *ends[:-1]], ends, strict=True):
+        if end <= start:
+            issues.append(
+                phase.where.issue(
+                    f"{_fc(phase.budget)} tokens round to no steps: phase boundaries fall on whole mixture "
+                    f"blocks, here {block_steps} step(s) of {mixture.batch_size * mixture.sequence_length:,} "
+                    "tokens; give the phase more tokens or use a smaller block_size or batch_size"
+                )
+            )
+    if issues:
+        raise MixtureError(issues)
+    return ends
 
 
 def _resolve_sources(
@@ -547,27 +564,48 @@ def _overlaps(phase: Phase, resolved: dict[str, _Resolved]) -> list[str]:
         return []
     more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
     return [
-        f"{phase.where.issue('').path} ({phase.name}): cells drawn by more than one source: "
+        f"{format_path(phase.where.path)} ({phase.name}): cells drawn by more than one source: "
         f"{'; '.join(shared[:3])}{more}; their epochs add up"
     ]
 
 
 def _cell_totals(
-    catalog: dict[str, int], resolved: dict[str, _Resolved], used: dict[str, int], mixture: Mixture
+    catalog: dict[str, int],
+    resolved: dict[str, _Resolved],
+    used: dict[str, int],
+    mixture: Mixture,
+    warnings: list[str],
 ) -> dict[str, dict[str, Any]]:
-    """Tokens drawn from each cell: a source's tokens spread over its cells by size (uniform sampling)."""
+    """Tokens drawn from each cell: a source's tokens spread over its cells by size (uniform sampling).
+
+    max_epochs is enforced per source; a cell that two sources draw (web/* in one phase, web/quality>=3
+    in the next) repeats as often as both together, so such a cell over its sources' cap is a warning.
+    """
     fraction = float(mixture.slice.fraction) if mixture.slice else 1.0
     drawn = dict.fromkeys(catalog, 0.0)
+    drawers: dict[str, list[str]] = {}
     for name, item in resolved.items():
         if item.available_full and used[name]:
             for cell in item.cells:
                 drawn[cell] += used[name] * catalog[cell] / item.available_full
+                drawers.setdefault(cell, []).append(name)
     result = {}
+    over = []
     for cell in sorted(catalog):
         available = catalog[cell] * fraction
+        epochs = drawn[cell] / available if available else 0.0
         result[cell] = {
             "tokens_available": math.floor(available),
             "tokens": round(drawn[cell]),
-            "epochs": drawn[cell] / available if available else 0.0,
+            "epochs": epochs,
         }
+        names = drawers.get(cell, [])
+        cap = min((resolved[name].source.max_epochs for name in names), default=math.inf)
+        if len(names) > 1 and epochs > cap * (1 + 1e-9):
+            over.append(f"{cell} {epochs:.4g} epochs by {', '.join(names)}")
+    if over:
+        more = f" and {len(over) - 3} more" if len(over) > 3 else ""
+        warnings.append(
+            f"cells drawn by several sources repeat more than their max_epochs: {'; '.join(over[:3])}{more}"
+        )
     return result

@@ -387,8 +387,7 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
                     "bad source name: use letters, digits, '_', '.', '-' (a name with = * / < > reads as a "
                     "cell pattern; use the pattern as a weight key instead)",
                 )
-            )
-            continue
+            )  # kept below all the same, so that its weights do not also read as unknown sources
         selectors = []
         for i, text in enumerate(source_spec.cells):
             try:
@@ -436,19 +435,23 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
 
         raw: dict[str, Fraction] = {}
         weight_where: dict[str, Where] = {}
+        broken = False  # a bad entry makes the sum meaningless; report the entry only
         for key, value in phase_spec.weights.items():
             key_path = (*path, "weights", key)
             if value < 0:
                 issues.append(lines.issue(key_path, f"negative weight {value:g}; weights must be >= 0"))
+                broken = True
                 continue
             if key not in sources:
                 if not looks_like_selector(key):
                     issues.append(lines.issue(key_path, "unknown source" + _suggest(key, sources)))
+                    broken = True
                     continue
                 try:
                     selector = parse_selector(key)
                 except ValueError as error:
                     issues.append(lines.issue(key_path, str(error)))
+                    broken = True
                     continue
                 if key not in sources:
                     sources[key] = Source(
@@ -463,9 +466,9 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
             weight_where[key] = where(key_path)
         total = sum(raw.values(), Fraction(0))
         weights_path = (*path, "weights")
-        if raw and total == 0:
+        if not broken and total == 0:
             issues.append(lines.issue(weights_path, "weights are all zero"))
-        elif raw and not phase_spec.normalize and abs(total - 1) > WEIGHT_SUM_TOLERANCE:
+        elif not broken and not phase_spec.normalize and abs(total - 1) > WEIGHT_SUM_TOLERANCE:
             issues.append(
                 lines.issue(
                     weights_path,
