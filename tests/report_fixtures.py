@@ -79,7 +79,8 @@ HOSTILE = (
         'https://example.org/a?b=1&c=<2>"onmouseover="window.__pwned=1',
     ),
     (
-        "]]></svg><svg onload=window.__pwned=1></svg>\u202eevil\u202c </script><style>body{display:none}</style>",
+        "]]></svg><svg onload=window.__pwned=1></svg>\u202eevil\u202c "
+        "</script><style>body{display:none}</style>",
         None,
     ),
 )
@@ -418,7 +419,7 @@ def _write_stats(curate: Path, cells, removed, rejected, source_stats) -> None:
 
 
 def make_plans(counts: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A two-phase plan over the fixture's cells (80% pretraining, 20% midtraining) and an earlier revision."""
+    """A two-phase plan over the fixture's cells (80% pretraining, 20% midtraining) and an older revision."""
     cells = sorted(counts["cells"])
     domains = sorted({c.split("/")[0].removeprefix("domain=") for c in cells})
     available = {c: counts["cells"][c]["tokens"] for c in cells}

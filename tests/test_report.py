@@ -1,4 +1,4 @@
-"""Tests of `tokenmill report` on fixtures written from docs/formats.md (no browser; see test_report_browser.py)."""
+"""Tests of `tokenmill report` on fixtures written from docs/formats.md (the browser tests are elsewhere)."""
 
 from __future__ import annotations
 
@@ -325,6 +325,17 @@ def test_run_page(site: Path) -> None:
     assert html.count('class="vline"') >= 5  # the phase boundary on each curve
 
 
+def test_run_page_of_a_dense_run_without_router_metrics(inputs: ReportInputs, tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "dense"
+    run.mkdir(parents=True)
+    run.joinpath("metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 5.0 - s / 100, "lr": 1e-3}) + "\n" for s in range(0, 200, 10))
+    )
+    assert main(report_args(inputs, tmp_path / "site", "--run", str(run), run=False)) == 0
+    html = (tmp_path / "site" / "run.html").read_text()
+    assert "no data" in html and "Training loss" in html and "no config.json" in html
+
+
 def test_metrics_errors_name_the_line(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "loss": 1.0}\nnot json\n')
@@ -460,7 +471,7 @@ def test_hostile_cell_is_in_the_fixture(inputs: ReportInputs) -> None:
 
 @pytest.mark.slow
 def test_scale_200_cells_10000_samples(tmp_path: Path) -> None:
-    """The size budget of docs/reports.md: 200 cells, 10,000 samples, index.html under 12 MB, built in 60 s."""
+    """docs/reports.md's size budget: 200 cells, 10,000 samples, index.html under 12 MB, built in 60 s."""
     inputs = make_report_inputs(
         tmp_path / "in", domains=40, docs_per_cell=100, hostile=False, missing_cells=False
     )

@@ -1,4 +1,4 @@
-"""The report pages in a real browser: Debian's headless Chromium, driven by selenium, opening files from disk.
+"""The report pages in a real browser: headless Debian Chromium, driven by selenium, opening files from disk.
 
 Checks what only a browser can: no console errors (a Content-Security-Policy violation is one), one
 heatmap cell per (domain, quality), the search box filters, a document holding `<script>` runs nothing,
@@ -56,7 +56,7 @@ def browser() -> Iterator[object]:
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
     if missing:
         pytest.fail(
-            f"{', '.join(missing)} not found: run `make browser` to install Debian's chromium and chromium-driver"
+            f"{', '.join(missing)} not found: run `make browser` (Debian's chromium and chromium-driver)"
         )
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -167,7 +167,7 @@ def test_hostile_samples_run_nothing_and_break_no_layout(browser, site: Path, in
     # The javascript: URL is text, not a link.
     assert (
         browser.execute_script(
-            "return Array.from(document.querySelectorAll('a')).filter(a => a.protocol === 'javascript:').length"
+            "return Array.from(document.links).filter(a => a.protocol === 'javascript:').length"
         )
         == 0
     )
@@ -225,7 +225,7 @@ def test_search_filters_domains_and_samples(browser, site: Path, inputs: ReportI
 def test_run_page(browser, site: Path) -> None:
     open_page(browser, site / "run.html")
     charts = browser.execute_script(
-        "return Array.from(document.querySelectorAll('figure.run-chart')).map(f => f.getAttribute('data-chart'))"
+        "return Array.from(document.querySelectorAll('figure.run-chart')).map(f => f.dataset.chart)"
     )
     for title in (
         "Training loss",
@@ -238,7 +238,8 @@ def test_run_page(browser, site: Path) -> None:
     # Every chart drew a line.
     assert (
         browser.execute_script(
-            "return Array.from(document.querySelectorAll('figure.run-chart')).filter(f => !f.querySelector('path')).length"
+            "return Array.from(document.querySelectorAll('figure.run-chart'))"
+            ".filter(f => !f.querySelector('path')).length"
         )
         == 0
     )

@@ -139,10 +139,11 @@ def run_report(args: argparse.Namespace) -> int:
         )
     except InputError as error:
         raise UsageError(str(error)) from error
-    total = sum(result.files.values())
+    total = format_count(sum(result.files.values()))
+    pages = " and ".join(
+        storage.join(args.output, page) for page in ("index.html", "run.html") if page in result.files
+    )
     print(
-        f"wrote {storage.join(args.output, 'index.html')}"
-        + (f" and {storage.join(args.output, 'run.html')}" if "run.html" in result.files else "")
-        + f": {len(result.files)} files, {format_count(total)}B (index.html {format_count(result.index_bytes)}B)"
+        f"wrote {pages}: {len(result.files)} files, {total}B (index.html {format_count(result.index_bytes)}B)"
     )
     return 0

@@ -136,7 +136,7 @@ def sample_indices(total: int, k: int, seed: int, key: str) -> list[int]:
 
 
 def read_rows(files: Sequence[str], indices: Sequence[int], columns: Sequence[str]) -> list[dict[str, Any]]:
-    """Rows at global positions `indices` (sorted) of the files read in order, touching only their row groups."""
+    """Rows at positions `indices` (sorted) of the files taken in order, reading only their row groups."""
     wanted = list(indices)
     rows: list[dict[str, Any]] = []
     offset = 0

@@ -587,4 +587,3 @@ def build_mixture(
 def _fmt_weight(field: dict[str, Any], new: bool = False) -> str:
     value = field["new"] if new else field["old"]
     return f"{100 * float(value):.2f}%" if isinstance(value, int | float) else str(value)
-

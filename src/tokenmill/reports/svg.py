@@ -60,6 +60,24 @@ def _f(value: float) -> str:
     return "0" if text == "-0.0" else text.removesuffix(".0")
 
 
+def _open(kind: str, width: float, height: float, label: str, extra: str = "") -> str:
+    """The opening <svg> tag with its accessible name; the viewBox lets CSS scale the chart."""
+    return (
+        f'<svg class="chart {kind}" xmlns="http://www.w3.org/2000/svg"'
+        f' viewBox="0 0 {_f(width)} {_f(height)}" width="{_f(width)}" height="{_f(height)}"'
+        f' role="img" aria-label="{escape(label)}" font-family="{FONT}" font-size="11"{extra}>'
+    )
+
+
+def _text(x: float, y: float, content: str, anchor: str = "start", attrs: str = "") -> str:
+    """A <text> element; `content` is escaped here, `attrs` is trusted markup from this module."""
+    return f'<text x="{_f(x)}" y="{_f(y)}" text-anchor="{anchor}"{attrs}>{escape(content)}</text>'
+
+
+def _line(x1: float, x2: float, y1: float, y2: float, stroke: str, attrs: str = "") -> str:
+    return f'<line x1="{_f(x1)}" x2="{_f(x2)}" y1="{_f(y1)}" y2="{_f(y2)}" stroke="{stroke}"{attrs}/>'
+
+
 def _hex_to_rgb(color: str) -> tuple[int, int, int]:
     return int(color[1:3], 16), int(color[3:5], 16), int(color[5:7], 16)
 
@@ -145,7 +163,7 @@ class ColorScale:
             start, stop = math.ceil(math.log10(self.low) - 1e-9), math.floor(math.log10(self.high) + 1e-9)
             decades = [10.0**k for k in range(start, stop + 1)]
             return sorted({self.low, *decades, self.high})
-        return sorted({*(t for t in nice_ticks(0, self.high, 4) if t > 0), self.high})
+        return sorted({self.low, *(t for t in nice_ticks(0, self.high, 4) if t > self.low), self.high})
 
 
 @dataclass(frozen=True)
@@ -185,24 +203,20 @@ def heatmap(
     width = label_width + cell_w * len(columns) + 8
     height = top + cell_h * len(rows) + 8
     out = [
-        f'<svg class="chart heatmap" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
-        f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(title)}"'
-        f' font-family="{FONT}" font-size="11">',
+        _open("heatmap", width, height, title),
         f"<title>{escape(title)}</title>",
-        f'<text x="{_f(label_width + cell_w * len(columns) / 2)}" y="12" text-anchor="middle"'
-        f' fill="#4b5563">{escape(column_label)}</text>',
-        f'<text x="4" y="{_f(top - 8)}" fill="#4b5563">{escape(row_label)}</text>',
+        _text(label_width + cell_w * len(columns) / 2, 12, column_label, "middle", ' fill="#4b5563"'),
+        _text(4, top - 8, row_label, "start", ' fill="#4b5563"'),
     ]
     for j, column in enumerate(columns):
         x = label_width + cell_w * j + cell_w / 2
         out.append(
-            f'<text x="{_f(x)}" y="{_f(top - 8)}" text-anchor="middle" font-weight="600"'
-            f' font-size="{11 if cell_w >= 30 else 8}">{escape(column)}</text>'
+            _text(x, top - 8, column, "middle", f' font-weight="600" font-size="{11 if cell_w >= 30 else 8}"')
         )
     for i, row in enumerate(rows):
         y = top + cell_h * i
         out.append(f'<g class="heat-row" data-row="{escape(row)}">')
-        label = f'<text x="{_f(label_width - 8)}" y="{_f(y + cell_h / 2 + 4)}" text-anchor="end">{escape(row)}</text>'
+        label = _text(label_width - 8, y + cell_h / 2 + 4, row, "end")
         if row in row_hrefs:
             label = f'<a href="{escape(row_hrefs[row])}">{label}</a>'
         out.append(label)
@@ -217,11 +231,10 @@ def heatmap(
                 f' width="{_f(cell_w - 2)}" height="{_f(cell_h - 2)}" rx="3" fill="{fill}">'
                 f"<title>{escape(cell.title if cell else f'{row} / {column}: no data')}</title></rect>"
             )
+            attrs = f' fill="{text_color_for(fill)}" pointer-events="none"'
+            label_text = cell.label if cell else "—"
             text = (
-                f'<text x="{_f(x + cell_w / 2)}" y="{_f(y + cell_h / 2 + 4)}" text-anchor="middle"'
-                f' fill="{text_color_for(fill)}" pointer-events="none">{escape(cell.label if cell else "—")}</text>'
-                if show_labels
-                else ""
+                _text(x + cell_w / 2, y + cell_h / 2 + 4, label_text, "middle", attrs) if show_labels else ""
             )
             if cell and cell.href:
                 out.append(f'<a href="{escape(cell.href)}">{rect}{text}</a>')
@@ -248,32 +261,25 @@ def color_legend(
         for k in range(17)
     )
     out = [
-        f'<svg class="chart legend" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
-        f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(label)}"'
-        f' font-family="{FONT}" font-size="11">',
-        f'<defs><linearGradient id="{escape(gradient_id)}" x1="0" x2="1" y1="0" y2="0">{stops}</linearGradient></defs>',
-        f'<text x="{_f(pad)}" y="12" fill="#4b5563">{escape(label)}{" (log scale)" if scale.log else ""}</text>',
+        _open("legend", width, height, label),
+        f'<defs><linearGradient id="{escape(gradient_id)}" x1="0" x2="1" y1="0" y2="0">{stops}'
+        "</linearGradient></defs>",
+        _text(pad, 12, label + (" (log scale)" if scale.log else ""), "start", ' fill="#4b5563"'),
         f'<rect x="{_f(pad)}" y="{_f(bar_top)}" width="{_f(bar_w)}" height="{_f(bar_h)}" rx="2"'
         f' fill="url(#{escape(gradient_id)})" stroke="#d1d5db"/>',
     ]
     last_x = -1e9
     for tick in scale.ticks():
         x = pad + bar_w * scale.position(tick)
-        out.append(
-            f'<line x1="{_f(x)}" x2="{_f(x)}" y1="{_f(bar_top + bar_h)}" y2="{_f(bar_top + bar_h + 4)}"'
-            ' stroke="#6b7280"/>'
-        )
+        out.append(_line(x, x, bar_top + bar_h, bar_top + bar_h + 4, "#6b7280"))
         text = f"{100 * tick:.1f}%" if fraction else format_tick(tick)
         if x - last_x >= CHAR_WIDTH * (len(text) + 1):
             anchor = "start" if x < pad + 8 else "end" if x > width - pad - 8 else "middle"
-            out.append(
-                f'<text x="{_f(x)}" y="{_f(bar_top + bar_h + 15)}" text-anchor="{anchor}"'
-                f' fill="#374151">{escape(text)}</text>'
-            )
+            out.append(_text(x, bar_top + bar_h + 15, text, anchor, ' fill="#374151"'))
             last_x = x
     out.append(
-        f'<rect x="{_f(width - pad - 52)}" y="1" width="12" height="12" fill="{EMPTY_COLOR}" stroke="#d1d5db"/>'
-        f'<text x="{_f(width - pad - 36)}" y="11" fill="#4b5563">empty</text>'
+        f'<rect x="{_f(width - pad - 52)}" y="1" width="12" height="12" fill="{EMPTY_COLOR}"'
+        ' stroke="#d1d5db"/>' + _text(width - pad - 36, 11, "empty", "start", ' fill="#4b5563"')
     )
     out.append("</svg>")
     return Markup("".join(out))
@@ -290,11 +296,8 @@ class Segment:
 def stacked_bar(segments: Sequence[Segment], *, width: float = 320, height: float = 14) -> Markup:
     """One horizontal bar split by share, e.g. a domain's tokens by quality bucket."""
     total = sum(max(0.0, s.value) for s in segments)
-    out = [
-        f'<svg class="chart bar" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
-        f' width="{_f(width)}" height="{_f(height)}" preserveAspectRatio="none" role="img"'
-        f' aria-label="{escape(", ".join(f"{s.label}: {s.title or s.value}" for s in segments))}">'
-    ]
+    label = ", ".join(f"{s.label}: {s.title or s.value}" for s in segments)
+    out = [_open("bar", width, height, label, ' preserveAspectRatio="none"')]
     if total <= 0:
         out.append(f'<rect width="{_f(width)}" height="{_f(height)}" fill="{EMPTY_COLOR}"/>')
     x = 0.0
@@ -303,9 +306,10 @@ def stacked_bar(segments: Sequence[Segment], *, width: float = 320, height: floa
             continue
         w = width * segment.value / total
         color = segment.color or category_color(index)
+        tip = f"{segment.label}: {segment.title or format_tick(segment.value)}"
         out.append(
             f'<rect x="{_f(x)}" y="0" width="{_f(max(w, 0.5))}" height="{_f(height)}" fill="{color}">'
-            f"<title>{escape(segment.label)}: {escape(segment.title or format_tick(segment.value))}</title></rect>"
+            f"<title>{escape(tip)}</title></rect>"
         )
         x += w
     out.append("</svg>")
@@ -337,21 +341,15 @@ def bar_chart(
             return plot_w * math.log10(1 + value) / math.log10(1 + high)
         return plot_w * value / high
 
-    out = [
-        f'<svg class="chart bars" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
-        f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(title)}"'
-        f' font-family="{FONT}" font-size="11">',
-        f"<title>{escape(title)}</title>",
-    ]
+    out = [_open("bars", width, height, title), f"<title>{escape(title)}</title>"]
     for i, bar in enumerate(bars):
         y = top + (bar_h + gap) * i
         w = length(bar.value)
         out.append(
-            f'<text x="{_f(label_width - 8)}" y="{_f(y + bar_h / 2 + 4)}" text-anchor="end">{escape(bar.label)}</text>'
-            f'<rect x="{_f(label_width)}" y="{_f(y)}" width="{_f(max(w, 1))}" height="{_f(bar_h)}" rx="2"'
+            _text(label_width - 8, y + bar_h / 2 + 4, bar.label, "end")
+            + f'<rect x="{_f(label_width)}" y="{_f(y)}" width="{_f(max(w, 1))}" height="{_f(bar_h)}" rx="2"'
             f' fill="{color}"><title>{escape(bar.label)}: {escape(bar.annotation)}</title></rect>'
-            f'<text x="{_f(label_width + w + 6)}" y="{_f(y + bar_h / 2 + 4)}" fill="#374151">'
-            f"{escape(bar.annotation)}</text>"
+            + _text(label_width + w + 6, y + bar_h / 2 + 4, bar.annotation, "start", ' fill="#374151"')
         )
     out.append("</svg>")
     return Markup("".join(out))
@@ -371,12 +369,7 @@ def timeline(spans: Sequence[Span], *, title: str, width: float = 880, unit: str
     total = max((s.end for s in spans), default=0.0)
     start = min((s.start for s in spans), default=0.0)
     span_w = width - 2 * pad
-    out = [
-        f'<svg class="chart timeline" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
-        f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(title)}"'
-        f' font-family="{FONT}" font-size="11">',
-        f"<title>{escape(title)}</title>",
-    ]
+    out = [_open("timeline", width, height, title), f"<title>{escape(title)}</title>"]
 
     def x_of(value: float) -> float:
         return pad + (span_w * (value - start) / (total - start) if total > start else 0.0)
@@ -387,18 +380,25 @@ def timeline(spans: Sequence[Span], *, title: str, width: float = 880, unit: str
         label = span.label if (x1 - x0) > CHAR_WIDTH * (len(span.label) + 2) else ""
         out.append(
             f'<rect x="{_f(x0)}" y="{_f(bar_top)}" width="{_f(max(1.0, x1 - x0))}" height="{_f(bar_h)}"'
-            f' fill="{color}" fill-opacity="0.85"><title>{escape(span.label)}: {escape(span.detail)}</title></rect>'
-            f'<text x="{_f((x0 + x1) / 2)}" y="{_f(bar_top + bar_h / 2 + 4)}" text-anchor="middle"'
-            f' fill="#ffffff" font-weight="600">{escape(label)}</text>'
+            f' fill="{color}" fill-opacity="0.85"><title>{escape(span.label)}: {escape(span.detail)}</title>'
+            "</rect>"
+            + _text(
+                (x0 + x1) / 2, bar_top + bar_h / 2 + 4, label, "middle", ' fill="#ffffff" font-weight="600"'
+            )
         )
     boundaries = sorted({s.start for s in spans} | {s.end for s in spans})
     for k, value in enumerate(boundaries):
         x = x_of(value)
         anchor = "start" if k == 0 else "end" if k == len(boundaries) - 1 else "middle"
         out.append(
-            f'<line x1="{_f(x)}" x2="{_f(x)}" y1="{_f(bar_top)}" y2="{_f(bar_top + bar_h + 6)}" stroke="#111827"/>'
-            f'<text x="{_f(x)}" y="{_f(bar_top + bar_h + 18)}" text-anchor="{anchor}" fill="#374151">'
-            f"{escape(unit)} {escape(format_count(value))}</text>"
+            _line(x, x, bar_top, bar_top + bar_h + 6, "#111827")
+            + _text(
+                x,
+                bar_top + bar_h + 18,
+                f"{unit} {int(value):,}" if value < 1e6 else f"{unit} {format_count(value)}",
+                anchor,
+                ' fill="#374151"',
+            )
         )
     out.append("</svg>")
     return Markup("".join(out))
@@ -522,25 +522,19 @@ def line_chart(
     top = 26.0 + 16.0 * legend_rows
     plot_w, plot_h = width - left - right, height - top - bottom
     out = [
-        f'<svg class="chart line-chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_f(width)} {_f(height)}"'
-        f' width="{_f(width)}" height="{_f(height)}" role="img" aria-label="{escape(title)}"'
-        f' font-family="{FONT}" font-size="11">',
+        _open("line-chart", width, height, title),
         f"<title>{escape(title)}</title>",
-        f'<text x="{_f(left)}" y="14" font-weight="600" font-size="12.5" fill="#111827">{escape(title)}</text>',
+        _text(left, 14, title, "start", ' font-weight="600" font-size="12.5" fill="#111827"'),
     ]
     for cursor, row, s in legend_items:
         ly = 28 + 16 * row
         dash = ' stroke-dasharray="5 3"' if s.dashed else ""
         out.append(
-            f'<line x1="{_f(left + cursor)}" x2="{_f(left + cursor + 20)}" y1="{_f(ly - 4)}" y2="{_f(ly - 4)}"'
-            f' stroke="{s.color}" stroke-width="2"{dash}/>'
-            f'<text x="{_f(left + cursor + 25)}" y="{_f(ly)}" fill="#374151">{escape(s.name)}</text>'
+            _line(left + cursor, left + cursor + 20, ly - 4, ly - 4, s.color, f' stroke-width="2"{dash}')
+            + _text(left + cursor + 25, ly, s.name, "start", ' fill="#374151"')
         )
     if not xs or not ys:
-        out.append(
-            f'<text x="{_f(width / 2)}" y="{_f(top + plot_h / 2)}" text-anchor="middle" fill="#6b7280">no data</text>'
-            "</svg>"
-        )
+        out.append(_text(width / 2, top + plot_h / 2, "no data", "middle", ' fill="#6b7280"') + "</svg>")
         return Markup("".join(out))
 
     def bounds(values: list[float], axis: Axis) -> tuple[float, float]:
@@ -583,29 +577,25 @@ def line_chart(
     for tick in y_ticks:
         ty = py(tick)
         out.append(
-            f'<line x1="{_f(left)}" x2="{_f(left + plot_w)}" y1="{_f(ty)}" y2="{_f(ty)}" stroke="#eef0f3"/>'
-            f'<text x="{_f(left - 6)}" y="{_f(ty + 4)}" text-anchor="end" fill="#4b5563">{escape(y.format(tick))}</text>'
+            _line(left, left + plot_w, ty, ty, "#eef0f3")
+            + _text(left - 6, ty + 4, y.format(tick), "end", ' fill="#4b5563"')
         )
     x_ticks = _log_ticks(x_lo, x_hi) if x.log else nice_ticks(x_lo, x_hi, 5)
     for tick in x_ticks:
         tx = px(tick)
         out.append(
-            f'<line x1="{_f(tx)}" x2="{_f(tx)}" y1="{_f(top + plot_h)}" y2="{_f(top + plot_h + 4)}" stroke="#9ca3af"/>'
-            f'<text x="{_f(tx)}" y="{_f(top + plot_h + 16)}" text-anchor="middle" fill="#4b5563">'
-            f"{escape(x.format(tick))}</text>"
+            _line(tx, tx, top + plot_h, top + plot_h + 4, "#9ca3af")
+            + _text(tx, top + plot_h + 16, x.format(tick), "middle", ' fill="#4b5563"')
         )
     if x.label:
-        out.append(
-            f'<text x="{_f(left + plot_w / 2)}" y="{_f(height - 6)}" text-anchor="middle" fill="#374151">'
-            f"{escape(x.label)}</text>"
-        )
+        out.append(_text(left + plot_w / 2, height - 6, x.label, "middle", ' fill="#374151"'))
     if y.label:
         out.append(
             f'<text transform="translate(12 {_f(top + plot_h / 2)}) rotate(-90)" text-anchor="middle"'
             f' fill="#374151">{escape(y.label)}</text>'
         )
     for v in vlines:
-        if not math.isfinite(v.x) or not (x_lo <= v.x <= x_hi):
+        if not math.isfinite(v.x) or (x.log and v.x <= 0) or not (x_lo <= v.x <= x_hi):
             continue
         vx = px(v.x)
         out.append(
@@ -613,7 +603,7 @@ def line_chart(
             ' stroke="#6b7280" stroke-dasharray="3 3"/>'
         )
         if v.label:
-            out.append(f'<text x="{_f(vx + 4)}" y="{_f(top + 12)}" fill="#4b5563">{escape(v.label)}</text>')
+            out.append(_text(vx + 4, top + 12, v.label, "start", ' fill="#4b5563"'))
     for s in series:
         runs: list[list[tuple[float, float]]] = [[]]
         for point_x, point_y in s.points:

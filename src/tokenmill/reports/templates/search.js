@@ -34,6 +34,10 @@
       };
     });
   }
+  function count(n) {
+    // 10000 -> "10,000", the same on every locale (the page's numbers are written that way).
+    return String(n).replace(/\B(?=(\d{3})+(?!\d))/g, ",");
+  }
   function matches(text, terms) {
     for (var i = 0; i < terms.length; i++) if (text.indexOf(terms[i]) < 0) return false;
     return true;
@@ -72,8 +76,11 @@
       row.classList.toggle("dim", terms.length > 0 && !visibleDomains[row.getAttribute("data-row")]);
     });
     status.textContent = terms.length
-      ? shownCards + " of " + index.length + " domains, " + shownSamples + " of " + totalSamples + " samples match"
-      : index.length + " domains, " + totalSamples + " samples";
+      ? count(shownCards) + " of " + count(index.length) + " domains, " + count(shownSamples) + " of " +
+        count(totalSamples) + " samples match"
+      : count(index.length) + " domains, " + count(totalSamples) + " samples";
+    // Which query the page now shows; tests wait on it, rather than on a timer.
+    status.setAttribute("data-query", query);
   }
   var timer = null;
   input.addEventListener("input", function () {
