@@ -4,9 +4,9 @@ Each filter runs as its own step, on a fresh datatrove `Document` per document: 
 text it is given (it drops lines), and that rewrite must not leak into the next filter or into what is
 kept. Filters decide; they do not edit. The kept text is the normalized input text.
 
-Word splitting dominates the cost of these filters. datatrove splits a text once per filter call, with a
-full spaCy pipeline (tokenizer plus sentencizer) and a memory zone per call; its small LRU cache only
-helps when one document passes through every filter before the next. Here every filter of a worker
+Word splitting dominates the cost of these filters. datatrove splits a text with a full spaCy pipeline
+(tokenizer plus sentencizer) inside a memory zone per call; a five-entry cache spares a second split only
+while one document passes through every filter before the next. Here every filter of a worker
 shares one `SharedWordTokenizer`: the first filter to see a batch splits every text in it once, with
 spaCy's tokenizer alone (same tokens: the sentencizer only marks sentence starts), and later filters hit
 the cache. datatrove accepts a `WordTokenizer` in place of a language code, so its filters stay
