@@ -24,9 +24,11 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-import zstandard
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import zstandard  # noqa: E402
 
 PROSE_MODULES = sorted([
     "argparse", "asyncio", "base64", "bisect", "calendar", "collections", "concurrent.futures", "configparser",
@@ -192,6 +194,12 @@ def make_corpus(seed: int = 1234) -> dict[str, list[dict]]:
     for number, language in enumerate(sorted(OTHER_LANGUAGES) * 30):
         records.append({"id": f"{language}-{number:05d}", "text": other_language_doc(rng, language),
                         "kind": f"language_{language}"})
+    # Other domains, drawn with the generators the bundled classifiers are trained on (another seed).
+    import make_classifier_data as labelled
+
+    for domain in ("web", "math", "science", "legal", "conversation"):
+        for number, record in enumerate(labelled.domain_documents(random.Random(seed + 7), 40, [domain])):
+            records.append({"id": f"{domain}-{number:05d}", "text": record["text"], "kind": domain})
     rng.shuffle(records)
 
     code = [{"id": f"code-{number:05d}", "text": chunk, "kind": "code"}

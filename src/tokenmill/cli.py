@@ -17,6 +17,7 @@ from tokenmill import __version__
 # The order here is the order in `tokenmill --help`.
 COMMAND_MODULES = (
     "tokenmill.pipelines.commands",
+    "tokenmill.filters.classifier_commands",
     "tokenmill.filters.commands",
     "tokenmill.tokenize.commands",
     "tokenmill.mixtures.commands",

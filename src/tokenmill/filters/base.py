@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Removal:
-    """Why a document was removed: `reason` names the rule; `detail` gives the numbers."""
+    """Why a document was removed: `reason` names the rule; `detail` gives the numbers; `stage`, when set,
+    names the inner step that removed it (for steps that run other steps, such as per-domain chains)."""
 
     reason: str
     detail: dict = field(default_factory=dict)
+    stage: str | None = None
 
 
 class DocumentStep(ABC):
@@ -32,3 +34,47 @@ class DocumentStep(ABC):
     @abstractmethod
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         """Judge each document (annotating it in place if the step adds columns)."""
+
+
+class DomainChains(DocumentStep):
+    """Each domain's own chain of steps: documents go through the chain of their `domain` (set by the
+    domain classifier), or through `default` when their domain has no chain of its own.
+
+    Prose heuristics would remove a domain the mixture wants (code fails Gopher's stop-word rule by
+    nature), so the recipe gives each domain the checks that suit it. Removals keep the inner step's name.
+    """
+
+    stage = "by_domain"
+
+    def __init__(self, chains: dict[str, list[DocumentStep]]):
+        self.chains = chains
+
+    def stage_names(self) -> list[str]:
+        """Inner stage names, in first-seen order, for the funnel."""
+        names: list[str] = []
+        for chain in self.chains.values():
+            for step in chain:
+                if step.stage not in names:
+                    names.append(step.stage)
+        return names
+
+    def setup(self) -> None:
+        for chain in self.chains.values():
+            for step in chain:
+                step.setup()
+
+    def apply(self, documents: list[dict]) -> list[Removal | None]:
+        verdicts: list[Removal | None] = [None] * len(documents)
+        by_chain: dict[str, list[int]] = {}
+        for index, document in enumerate(documents):
+            name = document.get("domain") if document.get("domain") in self.chains else "default"
+            by_chain.setdefault(name, []).append(index)
+        for name, indices in by_chain.items():
+            for step in self.chains.get(name, []):
+                alive = [i for i in indices if verdicts[i] is None]
+                if not alive:
+                    break
+                for index, removal in zip(alive, step.apply([documents[i] for i in alive])):
+                    if removal is not None:
+                        verdicts[index] = Removal(removal.reason, removal.detail, removal.stage or step.stage)
+        return verdicts

@@ -49,7 +49,7 @@ def expand_inputs(patterns: list[str]) -> list[str]:
 
 
 def run_curate(args: argparse.Namespace) -> int:
-    from tokenmill.pipelines.curate import CurateRun, build_pipeline, clear_previous_output
+    from tokenmill.pipelines.curate import CurateRun, build_pipeline, clear_previous_output, stage_seconds
     from tokenmill.pipelines.options import make_pipeline
     from tokenmill.pipelines.recipe import RecipeError, load_recipe
 
@@ -74,6 +74,10 @@ def run_curate(args: argparse.Namespace) -> int:
         return 0
     stats = storage.read_json(storage.join(args.output, "stats.json"))
     print(summary(stats, elapsed))
+    seconds = stage_seconds(result)
+    if seconds:
+        print("  CPU seconds inside each step: " + ", ".join(
+            f"{stage} {value:.2f}" for stage, value in sorted(seconds.items(), key=lambda item: -item[1])))
     if not stats["balanced"]:
         print("ERROR: documents read != kept + removed + rejected; see stats.json")
         return 1

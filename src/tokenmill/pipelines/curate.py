@@ -103,12 +103,16 @@ class ApplyStep(beam.DoFn):
         self.step = step
         self.kept_counter = beam.metrics.Metrics.counter("tokenmill", f"{step.stage}.kept")
         self.removed_counter = beam.metrics.Metrics.counter("tokenmill", f"{step.stage}.removed")
+        # CPU time inside the step, summed over workers: where the time goes, per stage.
+        self.microseconds = beam.metrics.Metrics.counter("tokenmill", f"{step.stage}.microseconds")
 
     def setup(self):
         self.step.setup()
 
     def process(self, batch: list[dict]):
+        started = time.process_time()
         verdicts = self.step.apply(batch)
+        self.microseconds.inc(int((time.process_time() - started) * 1e6))
         kept = []
         for document, removal in zip(batch, verdicts, strict=True):
             if removal is None:
@@ -116,7 +120,7 @@ class ApplyStep(beam.DoFn):
                 continue
             self.removed_counter.inc()
             yield beam.pvalue.TaggedOutput("removed", {
-                **document, "stage": self.step.stage, "reason": removal.reason,
+                **document, "stage": removal.stage or self.step.stage, "reason": removal.reason,
                 "detail": json.dumps(removal.detail, sort_keys=True, default=str)})
         self.kept_counter.inc(len(kept))
         if kept:
@@ -391,6 +395,17 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         | "WriteStats" >> beam.ParDo(WriteStats(run), files=beam.pvalue.AsSingleton(files),
                                      stage_stats=beam.pvalue.AsSingleton(stage_stats))
     )
+
+
+def stage_seconds(result) -> dict[str, float]:
+    """CPU seconds spent inside each per-document step, from the finished pipeline's counters."""
+    seconds = {}
+    for counter in result.metrics().query(beam.metrics.MetricsFilter().with_namespace("tokenmill"))["counters"]:
+        name = counter.key.metric.name
+        if name.endswith(".microseconds"):
+            stage = name.removesuffix(".microseconds")
+            seconds[stage] = seconds.get(stage, 0.0) + counter.committed / 1e6
+    return seconds
 
 
 def clear_previous_output(output: str) -> None:

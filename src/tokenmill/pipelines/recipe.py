@@ -37,7 +37,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tokenmill.filters.base import DocumentStep
+from tokenmill.filters.base import DocumentStep, DomainChains
+from tokenmill.filters.classifiers import ClassifierError, DomainClassifier, QualityClassifier
+from tokenmill.filters.code import CodeQuality
 from tokenmill.filters.heuristics import FILTER_CLASSES, HeuristicFilter, datatrove_filter_class
 from tokenmill.filters.language import LanguageFilter
 from tokenmill.filters.normalize import Normalize
@@ -56,13 +58,19 @@ def _heuristic_filter(kind: str, language: str = "en", shared_words: bool = True
 DOCUMENT_STAGES: dict[str, Callable[..., DocumentStep]] = {
     "language": LanguageFilter,
     **{kind: partial(_heuristic_filter, kind) for kind in FILTER_CLASSES},
+    "code_quality": CodeQuality,
+    "domain_classifier": DomainClassifier,
+    "quality_classifier": QualityClassifier,
 }
 #: Stages that compare documents across inputs: kind -> "module:PTransform" (imported when used, so that
 #: recipes load without Beam's start-up cost where only the per-document stages are needed).
 GROUPING_STAGES: dict[str, str] = {
     "exact_dedupe": "tokenmill.pipelines.curate:ExactDedupe",
 }
-STAGE_KINDS = (*DOCUMENT_STAGES, *GROUPING_STAGES)
+#: `by_domain: {<domain>: [stages...], default: [stages...]}` gives each domain its own chain of
+#: per-document stages (after `domain_classifier`); see tokenmill.filters.base.DomainChains.
+BY_DOMAIN = "by_domain"
+STAGE_KINDS = (*DOCUMENT_STAGES, *GROUPING_STAGES, BY_DOMAIN)
 
 
 @dataclass
@@ -122,6 +130,8 @@ class Recipe(BaseModel):
             kind = next(iter(stage))
             if kind not in STAGE_KINDS:
                 raise ValueError(f"stages[{position}]: unknown stage {kind!r}; known: {', '.join(STAGE_KINDS)}")
+            if kind == BY_DOMAIN:
+                _check_chains(stage[kind], f"stages[{position}].{BY_DOMAIN}")
         return stages
 
     @property
@@ -132,18 +142,45 @@ class Recipe(BaseModel):
         return [(kind, dict(params or {})) for stage in self.stages for kind, params in stage.items()]
 
     def stage_names(self) -> list[str]:
-        """Stage names in the order documents meet them (removed/stage=<name>)."""
-        return ["normalize", *[kind for kind, _ in self.stage_list()]]
+        """Stage names in the order documents meet them (removed/stage=<name>); a per-domain block
+        contributes its inner stages, in first-seen order."""
+        names = ["normalize"]
+        for kind, params in self.stage_list():
+            inner = [next(iter(entry)) for chain in params.values() for entry in chain] if kind == BY_DOMAIN else [kind]
+            names.extend(name for name in inner if name not in names)
+        return names
+
+
+def _check_chains(chains: Any, where: str) -> None:
+    if not isinstance(chains, dict) or not chains:
+        raise ValueError(f"{where}: a mapping of domain -> list of stages (and optionally default)")
+    for domain, chain in chains.items():
+        if not isinstance(chain, list):
+            raise ValueError(f"{where}.{domain}: a list of stages")
+        for position, entry in enumerate(chain):
+            if not isinstance(entry, dict) or len(entry) != 1 or next(iter(entry)) not in DOCUMENT_STAGES:
+                raise ValueError(f"{where}.{domain}[{position}]: one per-document stage per entry "
+                                 f"({', '.join(DOCUMENT_STAGES)})")
 
 
 def build_step(kind: str, params: dict, where: str) -> DocumentStep | GroupingStep:
     """The step for one recipe stage; bad parameters are a RecipeError naming `where`."""
     try:
+        if kind == BY_DOMAIN:
+            return DomainChains({
+                domain: [build_step(inner, dict(inner_params or {}), f"{where}.{domain}[{position}]")
+                         for position, entry in enumerate(chain) for inner, inner_params in entry.items()]
+                for domain, chain in params.items()
+            })
         if kind in GROUPING_STAGES:
             module_name, class_name = GROUPING_STAGES[kind].split(":")
             transform_class = getattr(importlib.import_module(module_name), class_name)
             return GroupingStep(kind, transform_class(**params))
         return DOCUMENT_STAGES[kind](**params)
+    except RecipeError:
+        raise
+    except ClassifierError as error:
+        raise RecipeError(f"{where}: {kind}: {error}") from None
     except (TypeError, ValueError) as error:
         raise RecipeError(f"{where}: bad parameters for {kind}: {error}") from None
 
