@@ -36,20 +36,54 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as temporary:
         root = Path(temporary)
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_classifier_data.py"), "--output",
-                        str(root / "data")], check=True, capture_output=True)
-        for kind, extra in (("domain", []), ("quality", ["--calibration", str(root / "data" / "calibration.jsonl")])):
-            subprocess.run([sys.executable, "-m", "tokenmill", "classifier", "train", "--kind", kind, "--input",
-                            str(root / "data" / f"{kind}.jsonl"), "--output", str(root / kind), *extra],
-                           check=True, capture_output=True)
-        texts = [json.loads(line)["text"] for line in (root / "data" / "quality.jsonl").read_text().splitlines()]
-        texts = [f"{text}\n\n(copy {i // len(texts)})" for i, text in
-                 zip(range(args.documents), (texts * (args.documents // len(texts) + 1)))]
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_classifier_data.py"),
+                "--output",
+                str(root / "data"),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        for kind, extra in (
+            ("domain", []),
+            ("quality", ["--calibration", str(root / "data" / "calibration.jsonl")]),
+        ):
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tokenmill",
+                    "classifier",
+                    "train",
+                    "--kind",
+                    kind,
+                    "--input",
+                    str(root / "data" / f"{kind}.jsonl"),
+                    "--output",
+                    str(root / kind),
+                    *extra,
+                ],
+                check=True,
+                capture_output=True,
+            )
+        texts = [
+            json.loads(line)["text"] for line in (root / "data" / "quality.jsonl").read_text().splitlines()
+        ]
+        texts = [
+            f"{text}\n\n(copy {i // len(texts)})"
+            for i, text in zip(range(args.documents), (texts * (args.documents // len(texts) + 1)))
+        ]
         corpus = root / "corpus.jsonl"
-        corpus.write_text("".join(json.dumps({"id": f"d{i:07d}", "text": t}) + "\n" for i, t in enumerate(texts)))
+        corpus.write_text(
+            "".join(json.dumps({"id": f"d{i:07d}", "text": t}) + "\n" for i, t in enumerate(texts))
+        )
         recipe = root / "recipe.yaml"
-        recipe.write_text(f"name: classify\nstages:\n  - domain_classifier: {{model: {root}/domain}}\n"
-                          f"  - quality_classifier: {{model: {root}/quality}}\n")
+        recipe.write_text(
+            f"name: classify\nstages:\n  - domain_classifier: {{model: {root}/domain}}\n"
+            f"  - quality_classifier: {{model: {root}/quality}}\n"
+        )
 
         from tokenmill.pipelines.curate import stage_seconds  # noqa: F401 - the counters the summary prints
 
@@ -59,8 +93,19 @@ def main() -> int:
 
         output = io.StringIO()
         with contextlib.redirect_stdout(output):
-            status = tokenmill(["curate", "--recipe", str(recipe), "--input", str(corpus), "--output",
-                                str(root / "out"), "--workers", "1"])
+            status = tokenmill(
+                [
+                    "curate",
+                    "--recipe",
+                    str(recipe),
+                    "--input",
+                    str(corpus),
+                    "--output",
+                    str(root / "out"),
+                    "--workers",
+                    "1",
+                ]
+            )
         wall = time.perf_counter() - started
         assert status == 0, output.getvalue()
         line = next(row for row in output.getvalue().splitlines() if "CPU seconds inside each step" in row)
@@ -79,8 +124,10 @@ def main() -> int:
 
         for kind in ("domain", "quality"):
             card = json.loads((root / kind / "model.json").read_text())
-            print(f"{kind} model: held-out accuracy {card['holdout_metrics']['accuracy']:.3f} on "
-                  f"{card['data']['holdout']} examples (synthetic labelled data; see scripts/make_classifier_data.py)")
+            print(
+                f"{kind} model: held-out accuracy {card['holdout_metrics']['accuracy']:.3f} on "
+                f"{card['data']['holdout']} examples (synthetic labelled data: scripts/make_classifier_data.py)"
+            )
         stage_rate = len(texts) / stage_time
         loop_rate = len(texts) / loop_time
         print(f"documents: {len(texts):,}; curate wall time {wall:.1f}s (one worker)")

@@ -54,7 +54,7 @@ def make_corpus(directory: Path, documents: int, files: int, seed: int = 7) -> N
     directory.mkdir(parents=True)
     per_file = -(-documents // files)
     for index in range(files):
-        chunk = records[index * per_file:(index + 1) * per_file]
+        chunk = records[index * per_file : (index + 1) * per_file]
         (directory / f"part-{index:03d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chunk))
 
 
@@ -63,9 +63,24 @@ def run_tokenmill(input_dir: Path, output: Path, workers: int) -> tuple[float, s
     stages = "\n".join(f"  - {kind}: {json.dumps(params)}" for kind, params in CHAIN)
     recipe.write_text(f"name: bench\nstages:\n{stages}\n")
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "tokenmill", "curate", "--recipe", str(recipe), "--input",
-                    str(input_dir / "*.jsonl"), "--output", str(output), "--workers", str(workers)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill",
+            "curate",
+            "--recipe",
+            str(recipe),
+            "--input",
+            str(input_dir / "*.jsonl"),
+            "--output",
+            str(output),
+            "--workers",
+            str(workers),
+        ],
+        check=True,
+        capture_output=True,
+    )
     elapsed = time.perf_counter() - started
     from tokenmill.documents import curated_dataset
 
@@ -91,8 +106,11 @@ LocalPipelineExecutor(
 
 def run_datatrove(input_dir: Path, output: Path, workers: int) -> tuple[float, set[str]]:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", DATATROVE_SCRIPT, str(input_dir), str(output), str(workers)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", DATATROVE_SCRIPT, str(input_dir), str(output), str(workers)],
+        check=True,
+        capture_output=True,
+    )
     elapsed = time.perf_counter() - started
     ids = set()
     for path in (output / "kept").glob("*.jsonl.gz"):
@@ -110,8 +128,14 @@ def _profile(work) -> tuple[float, pstats.Stats]:
 
 
 def _share(stats: pstats.Stats, needles: tuple[str, ...]) -> float:
-    cumulative = max((entry[3] for func, entry in stats.stats.items()
-                      if any(needle in f"{func[0]}:{func[2]}" for needle in needles)), default=0.0)
+    cumulative = max(
+        (
+            entry[3]
+            for func, entry in stats.stats.items()
+            if any(needle in f"{func[0]}:{func[2]}" for needle in needles)
+        ),
+        default=0.0,
+    )
     return cumulative / stats.total_tt
 
 
@@ -134,7 +158,7 @@ def where_time_goes(input_dir: Path, limit: int = 2000) -> str:
 
     def tokenmill_steps():
         for start in range(0, len(documents), 256):
-            batch = documents[start:start + 256]
+            batch = documents[start : start + 256]
             for step in steps:
                 batch = [d for d, verdict in zip(batch, step.apply(batch)) if verdict is None]
 
@@ -149,16 +173,18 @@ def where_time_goes(input_dir: Path, limit: int = 2000) -> str:
     ours, our_stats = _profile(tokenmill_steps)
     theirs, their_stats = _profile(datatrove_filters)
     words = ("spacy", "word_tokenize", "prime", "span_tokenize")
-    return "\n".join([
-        f"  filters alone, one process, {len(documents):,} documents: tokenmill {ours:.2f}s CPU, "
-        f"datatrove {theirs:.2f}s CPU",
-        f"  spaCy splitting: {_share(our_stats, words):.0%} of tokenmill's filter CPU, "
-        f"{_share(their_stats, words):.0%} of datatrove's",
-        f"  Gopher repetition's n-gram counting: {_share(our_stats, ('gopher_repetition_filter',)):.0%} of "
-        f"tokenmill's filter CPU",
-        "  the rest of the gap is the executor: datatrove's per-document stats and gzip writing against "
-        "tokenmill's batched steps",
-    ])
+    return "\n".join(
+        [
+            f"  filters alone, one process, {len(documents):,} documents: tokenmill {ours:.2f}s CPU, "
+            f"datatrove {theirs:.2f}s CPU",
+            f"  spaCy splitting: {_share(our_stats, words):.0%} of tokenmill's filter CPU, "
+            f"{_share(their_stats, words):.0%} of datatrove's",
+            f"  Gopher repetition's n-grams: {_share(our_stats, ('gopher_repetition_filter',)):.0%} of "
+            f"tokenmill's filter CPU",
+            "  the rest of the gap is the executor: datatrove's per-document stats and gzip writing against "
+            "tokenmill's batched steps",
+        ]
+    )
 
 
 def main() -> int:
@@ -180,11 +206,19 @@ def main() -> int:
         datatrove_time = min(datatrove_times)
         same = tokenmill_ids == datatrove_ids
         print(f"documents: {args.documents:,} in {args.files} files; workers: {args.workers}")
-        print(f"datatrove LocalPipelineExecutor: {datatrove_time:.2f}s ({args.documents / datatrove_time:,.0f} docs/s), "
-              f"runs {', '.join(f'{t:.2f}s' for t in datatrove_times)}")
-        print(f"tokenmill curate (Beam FnApiRunner): {tokenmill_time:.2f}s "
-              f"({args.documents / tokenmill_time:,.0f} docs/s)")
-        print(f"kept: tokenmill {len(tokenmill_ids):,}, datatrove {len(datatrove_ids):,}; identical sets: {same}")
+        print(
+            f"datatrove LocalPipelineExecutor: {datatrove_time:.2f}s "
+            f"({args.documents / datatrove_time:,.0f} docs/s), "
+            f"runs {', '.join(f'{t:.2f}s' for t in datatrove_times)}"
+        )
+        print(
+            f"tokenmill curate (Beam FnApiRunner): {tokenmill_time:.2f}s "
+            f"({args.documents / tokenmill_time:,.0f} docs/s)"
+        )
+        print(
+            f"kept: tokenmill {len(tokenmill_ids):,}, datatrove {len(datatrove_ids):,}; "
+            f"identical sets: {same}"
+        )
         print("where the filter time goes (tokenmill steps, one process):")
         print(where_time_goes(root / "input"))
         ratio = datatrove_time / tokenmill_time

@@ -41,24 +41,73 @@ import make_sample_corpus as sample  # noqa: E402
 DOMAINS = ("web", "code", "math", "science", "legal", "reference", "conversation", "other")
 
 LEGAL_PARTIES = ["the Licensee", "the Licensor", "the Company", "the Contractor", "each Party", "the Tenant"]
-LEGAL_ACTIONS = ["shall indemnify and hold harmless", "shall not assign or transfer", "may terminate",
-                 "shall be liable for", "hereby grants a non-exclusive license to", "shall give written notice to"]
-LEGAL_OBJECTS = ["any claim arising under this Agreement", "the rights granted in Section 2",
-                 "this Agreement upon thirty (30) days notice", "all damages resulting from a breach",
-                 "the Software and its documentation", "the other Party in accordance with Section 9"]
-SCIENCE_SUBJECTS = ["The enzyme activity", "The photon flux", "Cell proliferation", "The reaction rate",
-                    "Soil nitrogen", "The measured spectrum", "Gene expression", "The sample temperature"]
-SCIENCE_VERBS = ["increased linearly with", "was inversely proportional to", "remained stable despite",
-                 "was measured as a function of", "correlated strongly with", "decreased after"]
-SCIENCE_OBJECTS = ["substrate concentration", "the applied magnetic field", "exposure to ultraviolet light",
-                   "the incubation time", "ambient humidity", "the catalyst loading", "the pH of the buffer"]
-WEB_OPENERS = ["Last weekend we visited", "I finally tried", "The city council approved", "Our review of",
-               "Local residents gathered at", "The new season of"]
-WEB_THINGS = ["the old harbour market", "a small family restaurant downtown", "a plan for new bike lanes",
-              "the latest budget phone", "the community garden", "the river walk festival"]
-WEB_COMMENTS = ["and it was worth every minute", "although parking was difficult",
-                "and the prices were fair", "which surprised many visitors", "and we will certainly return",
-                "though the weather did not cooperate"]
+LEGAL_ACTIONS = [
+    "shall indemnify and hold harmless",
+    "shall not assign or transfer",
+    "may terminate",
+    "shall be liable for",
+    "hereby grants a non-exclusive license to",
+    "shall give written notice to",
+]
+LEGAL_OBJECTS = [
+    "any claim arising under this Agreement",
+    "the rights granted in Section 2",
+    "this Agreement upon thirty (30) days notice",
+    "all damages resulting from a breach",
+    "the Software and its documentation",
+    "the other Party in accordance with Section 9",
+]
+SCIENCE_SUBJECTS = [
+    "The enzyme activity",
+    "The photon flux",
+    "Cell proliferation",
+    "The reaction rate",
+    "Soil nitrogen",
+    "The measured spectrum",
+    "Gene expression",
+    "The sample temperature",
+]
+SCIENCE_VERBS = [
+    "increased linearly with",
+    "was inversely proportional to",
+    "remained stable despite",
+    "was measured as a function of",
+    "correlated strongly with",
+    "decreased after",
+]
+SCIENCE_OBJECTS = [
+    "substrate concentration",
+    "the applied magnetic field",
+    "exposure to ultraviolet light",
+    "the incubation time",
+    "ambient humidity",
+    "the catalyst loading",
+    "the pH of the buffer",
+]
+WEB_OPENERS = [
+    "Last weekend we visited",
+    "I finally tried",
+    "The city council approved",
+    "Our review of",
+    "Local residents gathered at",
+    "The new season of",
+]
+WEB_THINGS = [
+    "the old harbour market",
+    "a small family restaurant downtown",
+    "a plan for new bike lanes",
+    "the latest budget phone",
+    "the community garden",
+    "the river walk festival",
+]
+WEB_COMMENTS = [
+    "and it was worth every minute",
+    "although parking was difficult",
+    "and the prices were fair",
+    "which surprised many visitors",
+    "and we will certainly return",
+    "though the weather did not cooperate",
+]
 SPEAKERS = [("User", "Assistant"), ("Q", "A"), ("Alice", "Bob")]
 
 
@@ -70,8 +119,11 @@ def sentence(rng: random.Random, *parts: list[str]) -> str:
 def legal_doc(rng: random.Random, license_paragraphs: list[str]) -> str:
     if license_paragraphs and rng.random() < 0.5:
         return rng.choice(license_paragraphs)
-    clauses = [f"{rng.randint(1, 12)}.{rng.randint(1, 9)} " +
-               sentence(rng, LEGAL_PARTIES, LEGAL_ACTIONS, LEGAL_OBJECTS) for _ in range(rng.randint(3, 8))]
+    clauses = [
+        f"{rng.randint(1, 12)}.{rng.randint(1, 9)} "
+        + sentence(rng, LEGAL_PARTIES, LEGAL_ACTIONS, LEGAL_OBJECTS)
+        for _ in range(rng.randint(3, 8))
+    ]
     return "\n".join(clauses)
 
 
@@ -80,17 +132,23 @@ def math_doc(rng: random.Random) -> str:
     x = rng.randint(1, 20)
     total = a * x + b
     n = rng.randint(5, 60)
-    return (f"Problem: solve {a}x + {b} = {total} for x.\n"
-            f"Subtract {b} from both sides: {a}x = {total - b}. Divide by {a}: x = {x}.\n"
-            f"Check: {a} * {x} + {b} = {total}, so the solution is correct.\n"
-            f"Next, the sum of the first {n} integers is n(n + 1)/2 = {n * (n + 1) // 2}.\n"
-            f"Finally, the derivative of f(x) = {c}x^3 is f'(x) = {3 * c}x^2, and f'({x}) = {3 * c * x * x}.")
+    return (
+        f"Problem: solve {a}x + {b} = {total} for x.\n"
+        f"Subtract {b} from both sides: {a}x = {total - b}. Divide by {a}: x = {x}.\n"
+        f"Check: {a} * {x} + {b} = {total}, so the solution is correct.\n"
+        f"Next, the sum of the first {n} integers is n(n + 1)/2 = {n * (n + 1) // 2}.\n"
+        f"Finally, the derivative of f(x) = {c}x^3 is f'(x) = {3 * c}x^2, and f'({x}) = {3 * c * x * x}."
+    )
 
 
 def science_doc(rng: random.Random) -> str:
-    sentences = [sentence(rng, SCIENCE_SUBJECTS, SCIENCE_VERBS, SCIENCE_OBJECTS) for _ in range(rng.randint(4, 9))]
-    sentences.append(f"Each measurement was repeated {rng.randint(3, 12)} times (n = {rng.randint(20, 400)}, "
-                     f"p < 0.0{rng.randint(1, 5)}).")
+    sentences = [
+        sentence(rng, SCIENCE_SUBJECTS, SCIENCE_VERBS, SCIENCE_OBJECTS) for _ in range(rng.randint(4, 9))
+    ]
+    sentences.append(
+        f"Each measurement was repeated {rng.randint(3, 12)} times (n = {rng.randint(20, 400)}, "
+        f"p < 0.0{rng.randint(1, 5)})."
+    )
     return " ".join(sentences)
 
 
@@ -123,8 +181,9 @@ def license_paragraphs() -> list[str]:
     return [block for block in blocks if len(block.split()) > 25]
 
 
-def domain_documents(rng: random.Random, per_domain: int, domains: tuple[str, ...] | list[str] = DOMAINS
-                     ) -> list[dict]:
+def domain_documents(
+    rng: random.Random, per_domain: int, domains: tuple[str, ...] | list[str] = DOMAINS
+) -> list[dict]:
     paragraphs = sample.prose_paragraphs()
     code = sample.code_chunks(rng, 400)
     licenses = license_paragraphs()
@@ -149,7 +208,7 @@ def low_quality(rng: random.Random, good: str) -> str:
         return " ".join(words)
     if roll < 0.5:
         start = rng.randrange(max(1, len(words) - 6))
-        return " ".join(words[start:start + rng.randint(2, 6)])  # a fragment
+        return " ".join(words[start : start + rng.randint(2, 6)])  # a fragment
     if roll < 0.7:
         return sample.spam_doc(rng)
     if roll < 0.85:

@@ -30,43 +30,178 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import zstandard  # noqa: E402
 
-PROSE_MODULES = sorted([
-    "argparse", "asyncio", "base64", "bisect", "calendar", "collections", "concurrent.futures", "configparser",
-    "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fractions",
-    "ftplib", "functools", "gettext", "glob", "gzip", "hashlib", "heapq", "hmac", "html", "http.client",
-    "http.cookiejar", "http.server", "imaplib", "inspect", "io", "ipaddress", "itertools", "json", "locale",
-    "logging", "lzma", "mailbox", "mimetypes", "multiprocessing", "numbers", "operator", "optparse", "os",
-    "pathlib", "pickle", "pkgutil", "platform", "plistlib", "poplib", "pprint", "queue", "random", "re",
-    "sched", "secrets", "selectors", "shelve", "shlex", "shutil", "signal", "smtplib", "socket", "sqlite3",
-    "ssl", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading",
-    "timeit", "tokenize", "traceback", "types", "typing", "unittest", "urllib.parse", "urllib.request",
-    "uuid", "warnings", "weakref", "xml.dom.minidom", "xml.etree.ElementTree", "zipfile", "zoneinfo",
-])
+PROSE_MODULES = sorted(
+    [
+        "argparse",
+        "asyncio",
+        "base64",
+        "bisect",
+        "calendar",
+        "collections",
+        "concurrent.futures",
+        "configparser",
+        "contextlib",
+        "copy",
+        "csv",
+        "dataclasses",
+        "datetime",
+        "decimal",
+        "difflib",
+        "email",
+        "enum",
+        "fractions",
+        "ftplib",
+        "functools",
+        "gettext",
+        "glob",
+        "gzip",
+        "hashlib",
+        "heapq",
+        "hmac",
+        "html",
+        "http.client",
+        "http.cookiejar",
+        "http.server",
+        "imaplib",
+        "inspect",
+        "io",
+        "ipaddress",
+        "itertools",
+        "json",
+        "locale",
+        "logging",
+        "lzma",
+        "mailbox",
+        "mimetypes",
+        "multiprocessing",
+        "numbers",
+        "operator",
+        "optparse",
+        "os",
+        "pathlib",
+        "pickle",
+        "pkgutil",
+        "platform",
+        "plistlib",
+        "poplib",
+        "pprint",
+        "queue",
+        "random",
+        "re",
+        "sched",
+        "secrets",
+        "selectors",
+        "shelve",
+        "shlex",
+        "shutil",
+        "signal",
+        "smtplib",
+        "socket",
+        "sqlite3",
+        "ssl",
+        "statistics",
+        "string",
+        "struct",
+        "subprocess",
+        "tarfile",
+        "tempfile",
+        "textwrap",
+        "threading",
+        "timeit",
+        "tokenize",
+        "traceback",
+        "types",
+        "typing",
+        "unittest",
+        "urllib.parse",
+        "urllib.request",
+        "uuid",
+        "warnings",
+        "weakref",
+        "xml.dom.minidom",
+        "xml.etree.ElementTree",
+        "zipfile",
+        "zoneinfo",
+    ]
+)
 
 OTHER_LANGUAGES = {
-    "de": (["Die Stadt", "Der Verein", "Unsere Schule", "Die Regierung", "Das Museum", "Der Bauer"],
-           ["plant", "eröffnet", "verbessert", "untersucht", "beschreibt", "verkauft"],
-           ["einen neuen Park für alle Bürger", "die Ausstellung über die Geschichte der Region",
-            "den Unterricht mit modernen Mitteln", "die Ursachen des Hochwassers im Frühjahr",
-            "frisches Gemüse auf dem Wochenmarkt", "die Pläne für den Bahnhof"]),
-    "fr": (["La ville", "Le gouvernement", "Notre école", "Le musée", "La société", "Le chercheur"],
-           ["présente", "prépare", "améliore", "étudie", "ouvre", "vend"],
-           ["un nouveau jardin pour les habitants", "une exposition sur l'histoire de la région",
-            "les cours avec des outils modernes", "les causes de la sécheresse de l'été",
-            "des légumes frais au marché du samedi", "le projet de la nouvelle gare"]),
-    "es": (["La ciudad", "El gobierno", "Nuestra escuela", "El museo", "La empresa", "El investigador"],
-           ["presenta", "prepara", "mejora", "estudia", "abre", "vende"],
-           ["un nuevo parque para los vecinos", "una exposición sobre la historia de la región",
-            "las clases con herramientas modernas", "las causas de la sequía del verano",
-            "verduras frescas en el mercado del sábado", "el proyecto de la nueva estación"]),
+    "de": (
+        ["Die Stadt", "Der Verein", "Unsere Schule", "Die Regierung", "Das Museum", "Der Bauer"],
+        ["plant", "eröffnet", "verbessert", "untersucht", "beschreibt", "verkauft"],
+        [
+            "einen neuen Park für alle Bürger",
+            "die Ausstellung über die Geschichte der Region",
+            "den Unterricht mit modernen Mitteln",
+            "die Ursachen des Hochwassers im Frühjahr",
+            "frisches Gemüse auf dem Wochenmarkt",
+            "die Pläne für den Bahnhof",
+        ],
+    ),
+    "fr": (
+        ["La ville", "Le gouvernement", "Notre école", "Le musée", "La société", "Le chercheur"],
+        ["présente", "prépare", "améliore", "étudie", "ouvre", "vend"],
+        [
+            "un nouveau jardin pour les habitants",
+            "une exposition sur l'histoire de la région",
+            "les cours avec des outils modernes",
+            "les causes de la sécheresse de l'été",
+            "des légumes frais au marché du samedi",
+            "le projet de la nouvelle gare",
+        ],
+    ),
+    "es": (
+        ["La ciudad", "El gobierno", "Nuestra escuela", "El museo", "La empresa", "El investigador"],
+        ["presenta", "prepara", "mejora", "estudia", "abre", "vende"],
+        [
+            "un nuevo parque para los vecinos",
+            "una exposición sobre la historia de la región",
+            "las clases con herramientas modernas",
+            "las causas de la sequía del verano",
+            "verduras frescas en el mercado del sábado",
+            "el proyecto de la nueva estación",
+        ],
+    ),
 }
-CONNECTIVES = {"de": ["Außerdem", "Deshalb", "Trotzdem", "Heute"], "fr": ["En outre", "Donc", "Pourtant", "Aujourd'hui"],
-               "es": ["Además", "Por eso", "Sin embargo", "Hoy"]}
-SPAM_WORDS = ["buy", "cheap", "best", "price", "casino", "bonus", "free", "click", "now", "discount", "pills",
-              "win", "offer", "deal", "crypto", "loans"]
-BOILERPLATE = ["Home | About | Contact | Blog", "Accept all cookies", "Sign in", "Subscribe to our newsletter",
-               "Privacy Policy", "Terms of Use", "Share on Facebook", "Tweet", "Next page", "Back to top",
-               "© 2024 All rights reserved", "Menu", "Search", "Log out"]
+CONNECTIVES = {
+    "de": ["Außerdem", "Deshalb", "Trotzdem", "Heute"],
+    "fr": ["En outre", "Donc", "Pourtant", "Aujourd'hui"],
+    "es": ["Además", "Por eso", "Sin embargo", "Hoy"],
+}
+SPAM_WORDS = [
+    "buy",
+    "cheap",
+    "best",
+    "price",
+    "casino",
+    "bonus",
+    "free",
+    "click",
+    "now",
+    "discount",
+    "pills",
+    "win",
+    "offer",
+    "deal",
+    "crypto",
+    "loans",
+]
+BOILERPLATE = [
+    "Home | About | Contact | Blog",
+    "Accept all cookies",
+    "Sign in",
+    "Subscribe to our newsletter",
+    "Privacy Policy",
+    "Terms of Use",
+    "Share on Facebook",
+    "Tweet",
+    "Next page",
+    "Back to top",
+    "© 2024 All rights reserved",
+    "Menu",
+    "Search",
+    "Log out",
+]
 
 
 def _prose_blocks(doc: str):
@@ -81,9 +216,11 @@ def _prose_blocks(doc: str):
 
 
 # Input that is not a document: it must land in rejected/ with the line and the error.
-BAD_LINES = (b'{"id": "bad-json", "text": "an unterminated object"\n'
-             b'{"id": "no-text", "body": "the text is under another field"}\n'
-             b'{"id": "bad-utf8", "text": "caf\xe9 latin-1 bytes"}\n')
+BAD_LINES = (
+    b'{"id": "bad-json", "text": "an unterminated object"\n'
+    b'{"id": "no-text", "body": "the text is under another field"}\n'
+    b'{"id": "bad-utf8", "text": "caf\xe9 latin-1 bytes"}\n'
+)
 
 
 def prose_paragraphs() -> list[str]:
@@ -126,7 +263,7 @@ def code_chunks(rng: random.Random, count: int) -> list[str]:
     for path in rng.sample(files, min(count, len(files))):
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
         start = rng.randrange(0, max(1, len(lines) - 80))
-        chunks.append("\n".join(lines[start:start + rng.randint(40, 80)]))
+        chunks.append("\n".join(lines[start : start + rng.randint(40, 80)]))
     return chunks
 
 
@@ -173,27 +310,44 @@ def make_corpus(seed: int = 1234) -> dict[str, list[dict]]:
     position = 0
     while position < len(paragraphs):
         take = rng.randint(1, 4)
-        articles.append("\n\n".join(paragraphs[position:position + take]))
+        articles.append("\n\n".join(paragraphs[position : position + take]))
         position += take
 
     records: list[dict] = []
     for number, text in enumerate(articles):
-        records.append({"id": f"doc-{number:05d}", "text": text, "url": f"https://docs.example.org/a/{number}",
-                        "kind": "prose"})
+        records.append(
+            {
+                "id": f"doc-{number:05d}",
+                "text": text,
+                "url": f"https://docs.example.org/a/{number}",
+                "kind": "prose",
+            }
+        )
     # Exact duplicates: the same text again under another id (some spread into other files below).
     for number, source in enumerate(rng.sample(articles, len(articles) // 10)):
         records.append({"id": f"dup-{number:05d}", "text": source, "url": None, "kind": "exact_duplicate"})
     # Near duplicates: 1-30% of words edited.
     for number, source in enumerate(rng.sample(articles, len(articles) // 10)):
-        records.append({"id": f"near-{number:05d}", "text": near_duplicate(rng, source, rng.uniform(0.01, 0.3)),
-                        "url": None, "kind": "near_duplicate"})
+        records.append(
+            {
+                "id": f"near-{number:05d}",
+                "text": near_duplicate(rng, source, rng.uniform(0.01, 0.3)),
+                "url": None,
+                "kind": "near_duplicate",
+            }
+        )
     for number in range(60):
         records.append({"id": f"spam-{number:05d}", "text": spam_doc(rng), "kind": "spam"})
     for number in range(60):
         records.append({"id": f"boiler-{number:05d}", "text": boilerplate_doc(rng), "kind": "boilerplate"})
     for number, language in enumerate(sorted(OTHER_LANGUAGES) * 30):
-        records.append({"id": f"{language}-{number:05d}", "text": other_language_doc(rng, language),
-                        "kind": f"language_{language}"})
+        records.append(
+            {
+                "id": f"{language}-{number:05d}",
+                "text": other_language_doc(rng, language),
+                "kind": f"language_{language}",
+            }
+        )
     # Other domains, drawn with the generators the bundled classifiers are trained on (another seed).
     import make_classifier_data as labelled
 
@@ -202,21 +356,25 @@ def make_corpus(seed: int = 1234) -> dict[str, list[dict]]:
             records.append({"id": f"{domain}-{number:05d}", "text": record["text"], "kind": domain})
     rng.shuffle(records)
 
-    code = [{"id": f"code-{number:05d}", "text": chunk, "kind": "code"}
-            for number, chunk in enumerate(code_chunks(rng, 160))]
+    code = [
+        {"id": f"code-{number:05d}", "text": chunk, "kind": "code"}
+        for number, chunk in enumerate(code_chunks(rng, 160))
+    ]
 
     third = len(records) // 3
     return {
         "web-000.jsonl.zst": records[:third],
-        "web-001.jsonl.gz": records[third:2 * third],
-        "web-002.jsonl": records[2 * third:],
+        "web-001.jsonl.gz": records[third : 2 * third],
+        "web-002.jsonl": records[2 * third :],
         # Some exact duplicates of web text inside the Parquet file: dedupe works across inputs and formats.
         "mixed-000.parquet": code + [{**record, "id": f"x{record['id']}"} for record in records[:40]],
     }
 
 
 def encode_jsonl(records: list[dict]) -> bytes:
-    return b"".join(json.dumps(record, ensure_ascii=False, sort_keys=True).encode() + b"\n" for record in records)
+    return b"".join(
+        json.dumps(record, ensure_ascii=False, sort_keys=True).encode() + b"\n" for record in records
+    )
 
 
 def write_corpus(output: Path, files: dict[str, list[dict]]) -> None:
@@ -225,8 +383,12 @@ def write_corpus(output: Path, files: dict[str, list[dict]]) -> None:
         path = output / name
         if name.endswith(".parquet"):
             buffer = io.BytesIO()
-            table = pa.Table.from_pylist(records, schema=pa.schema(
-                [("id", pa.string()), ("text", pa.string()), ("url", pa.string()), ("kind", pa.string())]))
+            table = pa.Table.from_pylist(
+                records,
+                schema=pa.schema(
+                    [("id", pa.string()), ("text", pa.string()), ("url", pa.string()), ("kind", pa.string())]
+                ),
+            )
             pq.write_table(table, buffer, compression="zstd")
             data = buffer.getvalue()
         elif name.endswith(".zst"):

@@ -19,18 +19,28 @@ def repo() -> Path:
     return REPO
 
 
-def run_tokenmill(*args: str, check: bool = True, env: dict | None = None, timeout: float = 600,
-                  cwd: Path = REPO) -> subprocess.CompletedProcess:
+def run_tokenmill(
+    *args: str, check: bool = True, env: dict | None = None, timeout: float = 600, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     """Run the `tokenmill` command line in a fresh process, as a user would."""
     full_env = {**os.environ, **(env or {})}
-    result = subprocess.run([sys.executable, "-m", "tokenmill", *args], capture_output=True, text=True,
-                            env=full_env, timeout=timeout, cwd=cwd)
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd,
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"tokenmill {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n"
-                             f"{result.stderr}")
+        raise AssertionError(
+            f"tokenmill {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
     return result
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every file below root, by relative path: for byte-for-byte comparisons of outputs."""
-    return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
+    return {
+        str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()
+    }

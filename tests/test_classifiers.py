@@ -23,19 +23,48 @@ from tokenmill.pipelines.recipe import RecipeError, load_recipe
 def models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("classifiers")
     data = root / "data"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_classifier_data.py"), "--output", str(data),
-                    "--per-domain", "150"], check=True, capture_output=True)
-    run_tokenmill("classifier", "train", "--kind", "domain", "--input", str(data / "domain.jsonl"),
-                  "--output", str(root / "domain"))
-    run_tokenmill("classifier", "train", "--kind", "quality", "--input", str(data / "quality.jsonl"),
-                  "--output", str(root / "quality"), "--calibration", str(data / "calibration.jsonl"))
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "make_classifier_data.py"),
+            "--output",
+            str(data),
+            "--per-domain",
+            "150",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    run_tokenmill(
+        "classifier",
+        "train",
+        "--kind",
+        "domain",
+        "--input",
+        str(data / "domain.jsonl"),
+        "--output",
+        str(root / "domain"),
+    )
+    run_tokenmill(
+        "classifier",
+        "train",
+        "--kind",
+        "quality",
+        "--input",
+        str(data / "quality.jsonl"),
+        "--output",
+        str(root / "quality"),
+        "--calibration",
+        str(data / "calibration.jsonl"),
+    )
     return root
 
 
 def test_training_writes_a_card_with_held_out_metrics(models):
     card = json.loads((models / "domain" / "model.json").read_text())
-    assert card["labels"] == sorted(["web", "code", "math", "science", "legal", "reference", "conversation",
-                                     "other"])
+    assert card["labels"] == sorted(
+        ["web", "code", "math", "science", "legal", "reference", "conversation", "other"]
+    )
     assert card["holdout_metrics"]["accuracy"] > 0.9
     assert set(card["holdout_metrics"]["labels"]) == set(card["labels"])
     assert len(card["data"]["sha256"]) == 64 and card["parameters"]["thread"] == 1
@@ -46,14 +75,24 @@ def test_training_writes_a_card_with_held_out_metrics(models):
 
 def test_training_is_deterministic(models, tmp_path):
     again = tmp_path / "domain"
-    run_tokenmill("classifier", "train", "--kind", "domain", "--input",
-                  json.loads((models / "domain" / "model.json").read_text())["data"]["path"], "--output", str(again))
+    run_tokenmill(
+        "classifier",
+        "train",
+        "--kind",
+        "domain",
+        "--input",
+        json.loads((models / "domain" / "model.json").read_text())["data"]["path"],
+        "--output",
+        str(again),
+    )
     assert (again / "model.bin").read_bytes() == (models / "domain" / "model.bin").read_bytes()
 
 
 def test_calibration_gives_buckets_of_roughly_equal_size(models):
     classifier = QualityClassifier(str(models / "quality"))
-    calibration = [json.loads(line) for line in (models / "data" / "calibration.jsonl").read_text().splitlines()]
+    calibration = [
+        json.loads(line) for line in (models / "data" / "calibration.jsonl").read_text().splitlines()
+    ]
     documents = [{"text": record["text"], "domain": record["domain"]} for record in calibration]
     classifier.apply(documents)
     by_domain: dict[str, Counter] = {}
@@ -81,17 +120,29 @@ def test_bad_models_fail_naming_the_path(models, tmp_path):
     corrupt.write_bytes(b"\x00not a model" * 100)
     with pytest.raises(ClassifierError, match=f"{corrupt}: not a readable fastText model"):
         DomainClassifier(str(corrupt))
-    with pytest.raises(ClassifierError, match=r"do not match the recipe's domains .*not in the model: \['poetry'\]"):
+    with pytest.raises(
+        ClassifierError, match=r"do not match the recipe's domains .*not in the model: \['poetry'\]"
+    ):
         DomainClassifier(str(models / "domain"), domains=["web", "code", "poetry"])
 
 
 def test_a_recipe_with_a_bad_model_fails_before_the_pipeline(models, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"name: r\nstages:\n  - domain_classifier: {{model: {tmp_path}/missing}}\n")
-    with pytest.raises(RecipeError, match=rf"{recipe}: stages\[0\]: domain_classifier: fastText model not found"):
+    with pytest.raises(
+        RecipeError, match=rf"{recipe}: stages\[0\]: domain_classifier: fastText model not found"
+    ):
         load_recipe(recipe)
-    result = run_tokenmill("curate", "--recipe", str(recipe), "--input", str(SAMPLE / "*"), "--output",
-                           str(tmp_path / "out"), check=False)
+    result = run_tokenmill(
+        "curate",
+        "--recipe",
+        str(recipe),
+        "--input",
+        str(SAMPLE / "*"),
+        "--output",
+        str(tmp_path / "out"),
+        check=False,
+    )
     assert result.returncode == 2 and "fastText model not found" in result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -112,8 +163,17 @@ def test_curate_places_documents_in_cells_with_the_trained_models(models, tmp_pa
     recipe = tmp_path / "mixed.yaml"
     recipe.write_text(recipe_text)
     output = tmp_path / "out"
-    run_tokenmill("curate", "--recipe", str(recipe), "--input", str(SAMPLE / "*"), "--output", str(output),
-                  "--workers", "1")
+    run_tokenmill(
+        "curate",
+        "--recipe",
+        str(recipe),
+        "--input",
+        str(SAMPLE / "*"),
+        "--output",
+        str(output),
+        "--workers",
+        "1",
+    )
     stats = json.loads((output / "stats.json").read_text())
     assert stats["balanced"]
     cells = {cell.split("/")[0].split("=")[1] for cell in stats["cells"]}
@@ -124,5 +184,9 @@ def test_curate_places_documents_in_cells_with_the_trained_models(models, tmp_pa
     code_rows = [row for row in rows if row["domain"] == "code"]
     assert code_rows and all(json.loads(row["metadata"])["kind"] == "code" for row in code_rows)
     # The funnel lists the per-domain stages in order.
-    assert [entry["stage"] for entry in stats["funnel"]][:4] == ["read", "normalize", "exact_dedupe",
-                                                                "domain_classifier"]
+    assert [entry["stage"] for entry in stats["funnel"]][:4] == [
+        "read",
+        "normalize",
+        "exact_dedupe",
+        "domain_classifier",
+    ]

@@ -15,14 +15,24 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import SAMPLE, WEB_RECIPE, REPO, run_tokenmill, tree_bytes
+from conftest import REPO, SAMPLE, WEB_RECIPE, run_tokenmill, tree_bytes
 
 from tokenmill.cli import main
 
 
 def curate(output: Path, *inputs: str, recipe: Path = WEB_RECIPE, workers: int = 1) -> dict:
-    status = main(["curate", "--recipe", str(recipe), "--output", str(output), "--workers", str(workers),
-                   *[arg for path in inputs for arg in ("--input", path)]])
+    status = main(
+        [
+            "curate",
+            "--recipe",
+            str(recipe),
+            "--output",
+            str(output),
+            "--workers",
+            str(workers),
+            *[arg for path in inputs for arg in ("--input", path)],
+        ]
+    )
     assert status == 0
     return json.loads((output / "stats.json").read_text())
 
@@ -86,8 +96,15 @@ def test_sample_accounting_balances_and_matches_the_files(sample_run):
     assert funnel[-1] == stats["kept"]["documents"]
     assert funnel == sorted(funnel, reverse=True)
     assert [entry["stage"] for entry in stats["funnel"]] == [
-        "read", "normalize", "language", "exact_dedupe", "gopher_repetition", "gopher_quality",
-        "fineweb_quality", "c4"]
+        "read",
+        "normalize",
+        "language",
+        "exact_dedupe",
+        "gopher_repetition",
+        "gopher_quality",
+        "fineweb_quality",
+        "c4",
+    ]
     # Every kind of planted noise was caught somewhere.
     kinds = Counter(json.loads(row["metadata"]).get("kind") for row in removed)
     for kind in ("spam", "boilerplate", "language_de", "language_fr", "language_es", "exact_duplicate"):
@@ -100,9 +117,22 @@ def test_curated_layout_and_schema(sample_run):
     files = sorted(p.relative_to(output).as_posix() for p in (output / "curated").rglob("*.parquet"))
     assert files == ["curated/domain=web/quality=0/part-00000-of-00001.parquet"]
     table = pq.read_table(output / files[0])
-    assert table.schema.names == ["id", "text", "source", "url", "metadata", "language", "language_score",
-                                  "quality_score", "quality", "domain", "domain_score", "n_chars", "n_words",
-                                  "dup_cluster"]
+    assert table.schema.names == [
+        "id",
+        "text",
+        "source",
+        "url",
+        "metadata",
+        "language",
+        "language_score",
+        "quality_score",
+        "quality",
+        "domain",
+        "domain_score",
+        "n_chars",
+        "n_words",
+        "dup_cluster",
+    ]
     assert str(table.schema.field("quality").type) == "int8"
     ids = table.column("id").to_pylist()
     assert ids == sorted(ids)
@@ -114,14 +144,19 @@ def test_exact_duplicates_keep_the_smallest_id_across_files(sample_run):
     output, _ = sample_run
     removed = pq.read_table(output / "removed" / "stage=exact_dedupe" / "reason=exact_duplicate").to_pylist()
     assert removed
-    everything = {row["id"]: row for row in parquet_rows(output / "curated") + parquet_rows(output / "removed")}
+    everything = {
+        row["id"]: row for row in parquet_rows(output / "curated") + parquet_rows(output / "removed")
+    }
     for row in removed:
         kept_id = json.loads(row["detail"])["kept_id"]
         assert kept_id < row["id"]
         assert everything[kept_id]["text"] == row["text"]
     # The Parquet input repeats JSONL documents: dedupe crossed files and formats.
-    assert any(everything[json.loads(row["detail"])["kept_id"]]["source"] == "mixed-000.parquet"
-               and row["source"].endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")) for row in removed)
+    assert any(
+        everything[json.loads(row["detail"])["kept_id"]]["source"] == "mixed-000.parquet"
+        and row["source"].endswith((".jsonl", ".jsonl.gz", ".jsonl.zst"))
+        for row in removed
+    )
 
 
 def test_rerun_gives_identical_bytes_whatever_the_worker_count(sample_run, tmp_path):
@@ -135,19 +170,28 @@ def test_rerun_gives_identical_bytes_whatever_the_worker_count(sample_run, tmp_p
 
 def write_bad_inputs(directory: Path) -> None:
     directory.mkdir()
-    good = [{"id": f"g{i}", "text": f"Good document number {i} with enough words to stand alone."} for i in range(5)]
-    bad = b"\n".join([
-        b'{"id": "bad-json", "text": "unterminated"',
-        b'{"id": "bad-utf8", "text": "caf\xe9"}',
-        b'{"id": "no-text", "body": "elsewhere"}',
-        b'{"id": "list-text", "text": ["not", "a", "string"]}',
-        b'{"id": "empty", "text": "  \\n "}',
-    ]) + b"\n"
+    good = [
+        {"id": f"g{i}", "text": f"Good document number {i} with enough words to stand alone."}
+        for i in range(5)
+    ]
+    bad = (
+        b"\n".join(
+            [
+                b'{"id": "bad-json", "text": "unterminated"',
+                b'{"id": "bad-utf8", "text": "caf\xe9"}',
+                b'{"id": "no-text", "body": "elsewhere"}',
+                b'{"id": "list-text", "text": ["not", "a", "string"]}',
+                b'{"id": "empty", "text": "  \\n "}',
+            ]
+        )
+        + b"\n"
+    )
     (directory / "good.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
     (directory / "bad.jsonl").write_bytes(bad)
     (directory / "huge.jsonl").write_text(json.dumps({"id": "huge", "text": "word " * 10_000_000}) + "\n")
-    payload = "".join(json.dumps({"id": f"z{i}", "text": f"{i} {os.urandom(200).hex()}"}) + "\n"
-                      for i in range(2000)).encode()
+    payload = "".join(
+        json.dumps({"id": f"z{i}", "text": f"{i} {os.urandom(200).hex()}"}) + "\n" for i in range(2000)
+    ).encode()
     compressed = zstandard.ZstdCompressor().compress(payload)
     (directory / "cut.jsonl.zst").write_bytes(compressed[: len(compressed) * 2 // 3])
     (directory / "notes.txt").write_text("not a corpus\n")
@@ -161,8 +205,13 @@ def test_every_bad_input_is_accounted_for(tmp_path):
     stats = curate(tmp_path / "out", str(inputs / "*"), recipe=recipe)
     assert stats["balanced"] is True
     assert {k: v["documents"] for k, v in stats["rejected_by_error"].items()} == {
-        "bad_json": 1, "bad_utf8": 1, "missing_text": 1, "text_not_string": 1, "truncated": 1,
-        "unknown_format": 1}
+        "bad_json": 1,
+        "bad_utf8": 1,
+        "missing_text": 1,
+        "text_not_string": 1,
+        "truncated": 1,
+        "unknown_format": 1,
+    }
     assert stats["removed_by_reason"]["normalize/empty"]["documents"] == 1
     assert stats["removed_by_reason"]["normalize/too_long"]["documents"] == 1
     truncated_docs = stats["sources"]["cut.jsonl.zst"]["kept"]
@@ -176,8 +225,16 @@ def test_every_bad_input_is_accounted_for(tmp_path):
 
 
 def test_missing_input_fails_before_the_pipeline_naming_the_path(tmp_path):
-    result = run_tokenmill("curate", "--recipe", str(WEB_RECIPE), "--input", str(tmp_path / "nope/*.jsonl"),
-                           "--output", str(tmp_path / "out"), check=False)
+    result = run_tokenmill(
+        "curate",
+        "--recipe",
+        str(WEB_RECIPE),
+        "--input",
+        str(tmp_path / "nope/*.jsonl"),
+        "--output",
+        str(tmp_path / "out"),
+        check=False,
+    )
     assert result.returncode == 2
     assert f"--input '{tmp_path / 'nope/*.jsonl'}' matches no file" in result.stderr
     assert not (tmp_path / "out").exists()
@@ -186,8 +243,16 @@ def test_missing_input_fails_before_the_pipeline_naming_the_path(tmp_path):
 def test_bad_recipe_names_the_file_and_stage(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: x\nstages:\n  - gopher_quality: {min_doc_wrds: 3}\n")
-    result = run_tokenmill("curate", "--recipe", str(recipe), "--input", str(SAMPLE / "*"), "--output",
-                           str(tmp_path / "out"), check=False)
+    result = run_tokenmill(
+        "curate",
+        "--recipe",
+        str(recipe),
+        "--input",
+        str(SAMPLE / "*"),
+        "--output",
+        str(tmp_path / "out"),
+        check=False,
+    )
     assert result.returncode == 2
     assert f"{recipe}: stages[0]: bad parameters for gopher_quality" in result.stderr
     assert "min_doc_wrds" in result.stderr
@@ -196,10 +261,23 @@ def test_bad_recipe_names_the_file_and_stage(tmp_path):
 def test_a_killed_run_rerun_ends_like_a_clean_run(sample_run, tmp_path):
     clean, _ = sample_run
     output = tmp_path / "killed"
-    command = [sys.executable, "-m", "tokenmill", "curate", "--recipe", str(WEB_RECIPE), "--input",
-               str(SAMPLE / "*"), "--output", str(output), "--workers", "2"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "tokenmill",
+        "curate",
+        "--recipe",
+        str(WEB_RECIPE),
+        "--input",
+        str(SAMPLE / "*"),
+        "--output",
+        str(output),
+        "--workers",
+        "2",
+    ]
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     # Kill it once it has started writing (or after a few seconds), with everything it spawned.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and process.poll() is None:

@@ -39,7 +39,7 @@ def test_each_filter_matches_datatrove_called_directly(kind, shared_words):
     step.setup()
     filter_instance = datatrove_filter_class(kind)()
     for start in range(0, len(documents), 256):
-        batch = documents[start:start + 256]
+        batch = documents[start : start + 256]
         verdicts = step.apply(batch)
         for document, removal in zip(batch, verdicts):
             expected = filter_instance.filter(Document(text=document["text"], id=document["id"]))
@@ -50,7 +50,9 @@ def test_each_filter_matches_datatrove_called_directly(kind, shared_words):
 
 
 def test_c4_edits_do_not_leak_into_the_kept_text():
-    text = ("This line is long enough and ends well.\n" * 6) + "Accept cookies to continue using javascript here.\n"
+    text = (
+        "This line is long enough and ends well.\n" * 6
+    ) + "Accept cookies to continue using javascript here.\n"
     documents = [{"id": "a", "text": text}]
     assert HeuristicFilter("c4", {"min_num_sentences": 1}).apply(documents) == [None]
     assert documents[0]["text"] == text  # datatrove's C4 filter dropped lines in its own copy only

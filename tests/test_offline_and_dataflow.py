@@ -53,11 +53,26 @@ def test_curate_runs_with_the_network_blocked(tmp_path):
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCK_NETWORK)
     log = tmp_path / "network.log"
-    env = {"PYTHONPATH": str(site), "TOKENMILL_NETWORK_LOG": str(log), "HF_HUB_OFFLINE": "0",
-           # A fresh spaCy/datatrove cache: nothing may be fetched into it either.
-           "HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    result = run_tokenmill("curate", "--recipe", str(WEB_RECIPE), "--input", str(SAMPLE / "*"), "--output",
-                           str(tmp_path / "out"), "--workers", "2", env=env)
+    env = {
+        "PYTHONPATH": str(site),
+        "TOKENMILL_NETWORK_LOG": str(log),
+        "HF_HUB_OFFLINE": "0",
+        # A fresh spaCy/datatrove cache: nothing may be fetched into it either.
+        "HOME": str(tmp_path / "home"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    result = run_tokenmill(
+        "curate",
+        "--recipe",
+        str(WEB_RECIPE),
+        "--input",
+        str(SAMPLE / "*"),
+        "--output",
+        str(tmp_path / "out"),
+        "--workers",
+        "2",
+        env=env,
+    )
     assert "balanced: True" in result.stdout
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert stats["kept"]["documents"] > 100
@@ -68,9 +83,23 @@ def test_curate_runs_with_the_network_blocked(tmp_path):
 def dataflow_args(*extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_runner_arguments(parser)
-    return parser.parse_args(["--runner", "dataflow", "--project", "tokenmill-test", "--region", "us-central1",
-                              "--temp_location", "gs://tokenmill-test/tmp", "--machine_type", "n2-standard-8",
-                              "--workers", "50", *extra])
+    return parser.parse_args(
+        [
+            "--runner",
+            "dataflow",
+            "--project",
+            "tokenmill-test",
+            "--region",
+            "us-central1",
+            "--temp_location",
+            "gs://tokenmill-test/tmp",
+            "--machine_type",
+            "n2-standard-8",
+            "--workers",
+            "50",
+            *extra,
+        ]
+    )
 
 
 def test_dataflow_flags():
@@ -86,7 +115,9 @@ def test_dataflow_flags():
 
 def test_dataflow_job_graph_builds_and_every_dofn_pickles():
     recipe = load_recipe(WEB_RECIPE)
-    run = CurateRun(recipe, str(WEB_RECIPE), ["gs://tokenmill-test/raw/a.jsonl.zst"], "gs://tokenmill-test/out")
+    run = CurateRun(
+        recipe, str(WEB_RECIPE), ["gs://tokenmill-test/raw/a.jsonl.zst"], "gs://tokenmill-test/out"
+    )
     # A dry run builds the package for the workers (an sdist from setup.py) and the job, and submits nothing.
     pipeline = make_pipeline(dataflow_args("--dry_run"), "curate")
     build_pipeline(pipeline, run)
@@ -114,4 +145,5 @@ def test_dataflow_job_graph_builds_and_every_dofn_pickles():
     assert (worker_options.machine_type, worker_options.num_workers) == ("n2-standard-8", 50)
     transforms = {t.unique_name for t in job.proto_pipeline.components.transforms.values()}
     assert {"Read", "Step2_exact_dedupe", "WriteCurated", "WriteRemoved", "WriteRejected", "WriteStats"} <= {
-        name.split("/")[0] for name in transforms}
+        name.split("/")[0] for name in transforms
+    }

@@ -24,19 +24,32 @@ def lines(*records) -> bytes:
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("a.jsonl", "jsonl"), ("a.JSONL.ZST", "jsonl.zst"), ("a.json.gz", "jsonl.gz"), ("a.ndjson", "jsonl"),
-     ("a.parquet", "parquet"), ("a.txt", None), ("a.jsonl.bz2", None), ("jsonl", None)],
+    [
+        ("a.jsonl", "jsonl"),
+        ("a.JSONL.ZST", "jsonl.zst"),
+        ("a.json.gz", "jsonl.gz"),
+        ("a.ndjson", "jsonl"),
+        ("a.parquet", "parquet"),
+        ("a.txt", None),
+        ("a.jsonl.bz2", None),
+        ("jsonl", None),
+    ],
 )
 def test_input_format_by_extension(name, expected):
     assert input_format(name) == expected
 
 
 def test_plain_gzip_and_zstd_read_the_same_documents(tmp_path):
-    data = lines({"id": 1, "text": "one", "url": "https://a.example/1", "lang": "en"}, {"id": 2, "text": "two"})
+    data = lines(
+        {"id": 1, "text": "one", "url": "https://a.example/1", "lang": "en"}, {"id": 2, "text": "two"}
+    )
     (tmp_path / "a.jsonl").write_bytes(data)
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(data))
     (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
-    results = {name: list(read_file(str(tmp_path / name), FIELDS)) for name in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst")}
+    results = {
+        name: list(read_file(str(tmp_path / name), FIELDS))
+        for name in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst")
+    }
     for name, records in results.items():
         assert [r["kind"] for r in records] == ["document", "document"]
         assert [r["text"] for r in records] == ["one", "two"]
@@ -55,19 +68,26 @@ def test_id_falls_back_to_line_number_and_is_stable(tmp_path):
 
 def test_each_bad_line_is_rejected_with_file_line_and_error(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_bytes(lines(
-        {"id": "ok", "text": "fine"},
-        b'{"id": "broken", "text": "no closing brace"',
-        b'{"id": "latin1", "text": "caf\xe9"}',
-        {"id": "missing", "body": "text is elsewhere"},
-        {"id": "number", "text": 42},
-        b"[1, 2, 3]",
-    ))
+    path.write_bytes(
+        lines(
+            {"id": "ok", "text": "fine"},
+            b'{"id": "broken", "text": "no closing brace"',
+            b'{"id": "latin1", "text": "caf\xe9"}',
+            {"id": "missing", "body": "text is elsewhere"},
+            {"id": "number", "text": 42},
+            b"[1, 2, 3]",
+        )
+    )
     records = list(read_file(str(path), FIELDS))
     assert [r["kind"] for r in records] == ["document"] + ["rejected"] * 5
     rejected = records[1:]
-    assert [r["error_kind"] for r in rejected] == ["bad_json", "bad_utf8", "missing_text", "text_not_string",
-                                                   "bad_json"]
+    assert [r["error_kind"] for r in rejected] == [
+        "bad_json",
+        "bad_utf8",
+        "missing_text",
+        "text_not_string",
+        "bad_json",
+    ]
     assert [r["line"] for r in rejected] == [2, 3, 4, 5, 6]
     for record in rejected:
         assert record["file"] == str(path)
@@ -118,8 +138,9 @@ def test_unknown_extension_is_one_rejected_record(tmp_path):
 
 def test_parquet_rows_and_configurable_fields(tmp_path):
     path = tmp_path / "p.parquet"
-    pq.write_table(pa.table({"doc_id": ["a", "b", "c"], "content": ["first", None, "third"],
-                             "extra": [1, 2, 3]}), path)
+    pq.write_table(
+        pa.table({"doc_id": ["a", "b", "c"], "content": ["first", None, "third"], "extra": [1, 2, 3]}), path
+    )
     records = list(read_file(str(path), InputFields(text="content", id="doc_id", url=None)))
     assert [r["kind"] for r in records] == ["document", "rejected", "document"]
     assert records[0]["id"] == "p.parquet:a" and records[0]["text"] == "first"

@@ -32,10 +32,12 @@ REMOVED_SCHEMA = DOCUMENT_SCHEMA.append(pa.field("detail", pa.string()))
 
 # The cell is in the path and in the file; naming the partition types makes the two agree (pyarrow would
 # otherwise infer dictionary<int32> for `quality` from the path and refuse to merge it with int8).
-CURATED_PARTITIONING = ds.partitioning(pa.schema([("domain", pa.string()), ("quality", pa.int8())]),
-                                       flavor="hive")
-REMOVED_PARTITIONING = ds.partitioning(pa.schema([("stage", pa.string()), ("reason", pa.string())]),
-                                       flavor="hive")
+CURATED_PARTITIONING = ds.partitioning(
+    pa.schema([("domain", pa.string()), ("quality", pa.int8())]), flavor="hive"
+)
+REMOVED_PARTITIONING = ds.partitioning(
+    pa.schema([("stage", pa.string()), ("reason", pa.string())]), flavor="hive"
+)
 
 
 def curated_dataset(path: str) -> ds.Dataset:

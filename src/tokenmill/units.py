@@ -40,4 +40,8 @@ def format_count(value: float, digits: int = 3) -> str:
         if abs(value) >= scale:
             text = f"{value / scale:.{digits}g}"
             return f"{text}{suffix}"
-    return f"{value:.{digits}g}" if isinstance(value, float) and not float(value).is_integer() else str(int(value))
+    return (
+        f"{value:.{digits}g}"
+        if isinstance(value, float) and not float(value).is_integer()
+        else str(int(value))
+    )

@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--config", help="hyperparameters YAML (default: configs/classifiers/<kind>.yaml)")
     train.add_argument("--input", required=True, help="labelled JSON Lines")
     train.add_argument("--output", required=True, help="model folder")
-    train.add_argument("--calibration", help="quality: JSON Lines of documents with their domain, for the buckets")
+    train.add_argument(
+        "--calibration", help="quality: JSON Lines of documents with their domain, for the buckets"
+    )
     train.add_argument("--domain-model", help="quality: label calibration documents with this domain model")
     train.set_defaults(handler=run_train)
 
@@ -42,13 +44,20 @@ def run_train(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     card = result.card
     metrics = card["holdout_metrics"]
-    print(f"{card['name']} ({card['kind']}): {card['data']['train']:,} train / {card['data']['holdout']:,} held out; "
-          f"held-out accuracy {metrics['accuracy']:.3f}")
+    print(
+        f"{card['name']} ({card['kind']}): {card['data']['train']:,} train / "
+        f"{card['data']['holdout']:,} held out; "
+        f"held-out accuracy {metrics['accuracy']:.3f}"
+    )
     print(f"  {'label':<16} {'precision':>9} {'recall':>7} {'support':>8}")
     for label, entry in metrics["labels"].items():
         print(f"  {label:<16} {entry['precision']:>9.3f} {entry['recall']:>7.3f} {entry['support']:>8,}")
     if "calibration" in card:
-        print(f"  calibration: {card['calibration']['documents']:,} documents, cuts for "
-              f"{', '.join(card['calibration']['domains'])}")
-    print(f"wrote {args.output}/model.bin, model.json" + (", calibration.json" if "calibration" in card else ""))
+        print(
+            f"  calibration: {card['calibration']['documents']:,} documents, cuts for "
+            f"{', '.join(card['calibration']['domains'])}"
+        )
+    print(
+        f"wrote {args.output}/model.bin, model.json" + (", calibration.json" if "calibration" in card else "")
+    )
     return 0

@@ -110,7 +110,9 @@ def read_labelled(path: str, text_field: str, label_field: str) -> list[tuple[st
                 raise ClassifierError(f"{path}:{number}: no string field {text_field!r}")
             label = record.get(label_field)
             if not isinstance(label, str) or not label or " " in label:
-                raise ClassifierError(f"{path}:{number}: field {label_field!r} must be a label without spaces")
+                raise ClassifierError(
+                    f"{path}:{number}: field {label_field!r} must be a label without spaces"
+                )
             examples.append((record[text_field], label))
     if not examples:
         raise ClassifierError(f"{path}: no labelled examples")
@@ -184,14 +186,18 @@ def label_scores(model, texts: list[str], max_chars: int, k: int = -1) -> list[d
     if nonempty:
         labels, probabilities = model.predict([prepared[i] for i in nonempty], k=k)
         for index, names, scores in zip(nonempty, labels, probabilities):
-            results[index] = {name.removeprefix(LABEL_PREFIX): float(score) for name, score in zip(names, scores)}
+            results[index] = {
+                name.removeprefix(LABEL_PREFIX): float(score) for name, score in zip(names, scores)
+            }
     return results
 
 
 def evaluate(model, examples: list[tuple[str, str]], max_chars: int) -> dict[str, Any]:
     """Accuracy and per-label precision/recall of top-1 predictions."""
-    predicted = [max(scores, key=scores.get) if scores else None
-                 for scores in label_scores(model, [text for text, _ in examples], max_chars)]
+    predicted = [
+        max(scores, key=scores.get) if scores else None
+        for scores in label_scores(model, [text for text, _ in examples], max_chars)
+    ]
     truth = [label for _, label in examples]
     per_label = {}
     for label in sorted(set(truth) | {p for p in predicted if p}):
@@ -221,8 +227,13 @@ class TrainResult:
     output: str
 
 
-def train_classifier(config: ClassifierConfig, input_path: str, output: str,
-                     calibration_path: str | None = None, domain_model: str | None = None) -> TrainResult:
+def train_classifier(
+    config: ClassifierConfig,
+    input_path: str,
+    output: str,
+    calibration_path: str | None = None,
+    domain_model: str | None = None,
+) -> TrainResult:
     """Train, evaluate on the held-out split, calibrate (quality), and write model, card and calibration."""
     import fasttext
 
@@ -244,8 +255,9 @@ def train_classifier(config: ClassifierConfig, input_path: str, output: str,
             handle.write(f"{LABEL_PREFIX}{label} {fasttext_text(text, config.max_chars)}\n")
         train_file = handle.name
     try:
-        model = fasttext.train_supervised(train_file, thread=1, seed=config.seed, verbose=0,
-                                          **config.fasttext.model_dump())
+        model = fasttext.train_supervised(
+            train_file, thread=1, seed=config.seed, verbose=0, **config.fasttext.model_dump()
+        )
     finally:
         os.remove(train_file)
     metrics = evaluate(model, holdout, config.max_chars)
@@ -259,8 +271,14 @@ def train_classifier(config: ClassifierConfig, input_path: str, output: str,
         "kind": config.kind,
         "labels": labels,
         "positive_label": config.positive_label,
-        "data": {"path": input_path, "sha256": file_sha256(input_path), "examples": len(examples),
-                 "train": len(train), "holdout": len(holdout), "seed": config.seed},
+        "data": {
+            "path": input_path,
+            "sha256": file_sha256(input_path),
+            "examples": len(examples),
+            "train": len(train),
+            "holdout": len(holdout),
+            "seed": config.seed,
+        },
         "parameters": {**config.fasttext.model_dump(), "thread": 1, "max_chars": config.max_chars},
         "holdout_metrics": metrics,
         "model_sha256": file_sha256(os.path.join(output, MODEL_FILE)),
@@ -295,17 +313,25 @@ def calibrate(model, config: ClassifierConfig, path: str, domain_model: str | No
         classifier.apply(documents)
         domains = [document["domain"] for document in documents]
     if any(not isinstance(domain, str) for domain in domains):
-        raise ClassifierError(f"{path}: every calibration record needs a {config.domain_field!r} field "
-                              "(or give --domain-model to label them)")
-    scores = np.array([s.get(config.positive_label, 0.0) for s in label_scores(model, texts, config.max_chars)])
+        raise ClassifierError(
+            f"{path}: every calibration record needs a {config.domain_field!r} field "
+            "(or give --domain-model to label them)"
+        )
+    scores = np.array(
+        [s.get(config.positive_label, 0.0) for s in label_scores(model, texts, config.max_chars)]
+    )
     domains_array = np.array(domains)
     cuts = {ALL_DOMAINS: quality_cuts(scores)}
     for domain in sorted(set(domains)):
         mask = domains_array == domain
         if mask.sum() >= 25:  # fewer documents than that make quintiles noise; the global cuts serve
             cuts[domain] = quality_cuts(scores[mask])
-    calibration = {"positive_label": config.positive_label, "quantiles": list(QUANTILES), "cuts": cuts,
-                   "documents": {d: int((domains_array == d).sum()) for d in sorted(set(domains))}}
+    calibration = {
+        "positive_label": config.positive_label,
+        "quantiles": list(QUANTILES),
+        "cuts": cuts,
+        "documents": {d: int((domains_array == d).sum()) for d in sorted(set(domains))},
+    }
     storage.write_json(os.path.join(output, CALIBRATION_FILE), calibration)
     return {"path": CALIBRATION_FILE, "domains": sorted(cuts), "documents": len(texts)}
 
@@ -323,8 +349,14 @@ class DomainClassifier(DocumentStep):
 
     stage = "domain_classifier"
 
-    def __init__(self, model: str, domains: list[str] | None = None, threshold: float = 0.5,
-                 other: str = "other", max_chars: int = 4000):
+    def __init__(
+        self,
+        model: str,
+        domains: list[str] | None = None,
+        threshold: float = 0.5,
+        other: str = "other",
+        max_chars: int = 4000,
+    ):
         self.model_path = _model_file(model)
         self.domains = list(domains) if domains else None
         self.threshold = threshold
@@ -336,9 +368,12 @@ class DomainClassifier(DocumentStep):
             unknown = sorted(set(labels) - set(self.domains) - {other})
             missing = sorted(set(self.domains) - set(labels) - {other})
             if unknown or missing:
-                raise ClassifierError(f"{self.model_path}: model labels {labels} do not match the recipe's domains "
-                                      f"{self.domains}" + (f"; not in the recipe: {unknown}" if unknown else "")
-                                      + (f"; not in the model: {missing}" if missing else ""))
+                raise ClassifierError(
+                    f"{self.model_path}: model labels {labels} do not match the recipe's domains "
+                    f"{self.domains}"
+                    + (f"; not in the recipe: {unknown}" if unknown else "")
+                    + (f"; not in the model: {missing}" if missing else "")
+                )
         self.labels = labels
 
     def setup(self) -> None:
@@ -348,8 +383,9 @@ class DomainClassifier(DocumentStep):
         if self._model is None:
             self.setup()
         # Only the best label matters here; asking fastText for one saves sorting them all.
-        for document, scores in zip(documents, label_scores(self._model, [d["text"] for d in documents],
-                                                            self.max_chars, k=1)):
+        for document, scores in zip(
+            documents, label_scores(self._model, [d["text"] for d in documents], self.max_chars, k=1)
+        ):
             if not scores:
                 document["domain"], document["domain_score"] = self.other, 0.0
                 continue
@@ -375,8 +411,10 @@ class QualityClassifier(DocumentStep):
         self._model = None
         load_fasttext(self.model_path)
         if not storage.exists(self.calibration_path):
-            raise ClassifierError(f"quality calibration not found: {self.calibration_path} "
-                                  "(train with --calibration, or name calibration: in the recipe)")
+            raise ClassifierError(
+                f"quality calibration not found: {self.calibration_path} "
+                "(train with --calibration, or name calibration: in the recipe)"
+            )
         try:
             calibration = storage.read_json(self.calibration_path)
             self.cuts = {domain: [float(c) for c in cuts] for domain, cuts in calibration["cuts"].items()}
@@ -392,8 +430,9 @@ class QualityClassifier(DocumentStep):
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         if self._model is None:
             self.setup()
-        for document, scores in zip(documents, label_scores(self._model, [d["text"] for d in documents],
-                                                            self.max_chars)):
+        for document, scores in zip(
+            documents, label_scores(self._model, [d["text"] for d in documents], self.max_chars)
+        ):
             score = scores.get(self.positive_label, 0.0)
             cuts = self.cuts.get(document.get("domain") or ALL_DOMAINS, self.cuts[ALL_DOMAINS])
             document["quality_score"] = score

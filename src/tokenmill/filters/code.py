@@ -17,9 +17,15 @@ class CodeQuality(DocumentStep):
 
     stage = "code_quality"
 
-    def __init__(self, max_line_length: int = 1000, max_mean_line_length: float = 100.0,
-                 min_alphanumeric_fraction: float = 0.25, min_lines: int = 3, header_lines: int = 5,
-                 drop_generated: bool = True):
+    def __init__(
+        self,
+        max_line_length: int = 1000,
+        max_mean_line_length: float = 100.0,
+        min_alphanumeric_fraction: float = 0.25,
+        min_lines: int = 3,
+        header_lines: int = 5,
+        drop_generated: bool = True,
+    ):
         self.max_line_length = max_line_length
         self.max_mean_line_length = max_mean_line_length
         self.min_alphanumeric_fraction = min_alphanumeric_fraction
@@ -39,8 +45,10 @@ class CodeQuality(DocumentStep):
             return Removal("long_mean_line", {"mean": round(mean, 1), "max": self.max_mean_line_length})
         alphanumeric = sum(ch.isalnum() for ch in text) / max(1, len(text))
         if alphanumeric < self.min_alphanumeric_fraction:
-            return Removal("low_alphanumeric", {"fraction": round(alphanumeric, 3),
-                                                "min": self.min_alphanumeric_fraction})
+            return Removal(
+                "low_alphanumeric",
+                {"fraction": round(alphanumeric, 3), "min": self.min_alphanumeric_fraction},
+            )
         if self.drop_generated and _GENERATED.search("\n".join(lines[: self.header_lines])):
             return Removal("generated", {})
         return None

@@ -55,8 +55,10 @@ class SharedWordTokenizer(WordTokenizer):
         self.cache_size = cache_size  # for texts met outside prime(); a primed batch is always held whole
         self._reference = load_word_tokenizer(language)
         if not isinstance(self._reference, SpaCyTokenizer):
-            raise ValueError(f"shared word splitting supports spaCy languages; {language!r} uses "
-                             f"{type(self._reference).__name__}")
+            raise ValueError(
+                f"shared word splitting supports spaCy languages; {language!r} uses "
+                f"{type(self._reference).__name__}"
+            )
         self._words: OrderedDict[str, list[str]] = OrderedDict()
         self._spans: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
 
@@ -112,8 +114,9 @@ def shared_word_tokenizer(language: str = "en") -> SharedWordTokenizer:
 class HeuristicFilter(DocumentStep):
     """One datatrove heuristic filter; `params` are its constructor arguments, as datatrove names them."""
 
-    def __init__(self, kind: str, params: dict | None = None, language: str = "en",
-                 shared_words: bool = True):
+    def __init__(
+        self, kind: str, params: dict | None = None, language: str = "en", shared_words: bool = True
+    ):
         datatrove_filter_class(kind)  # fail at recipe load, not on a worker
         self.kind = kind
         self.stage = kind

@@ -16,8 +16,14 @@ class LanguageFilter(DocumentStep):
 
     stage = "language"
 
-    def __init__(self, languages: list[str] | None = None, min_score: float = 0.5, backend: str = "py3langid",
-                 model_path: str | None = None, max_chars: int = 4000):
+    def __init__(
+        self,
+        languages: list[str] | None = None,
+        min_score: float = 0.5,
+        backend: str = "py3langid",
+        model_path: str | None = None,
+        max_chars: int = 4000,
+    ):
         if backend not in ("py3langid", "fasttext"):
             raise ValueError(f"language backend must be py3langid or fasttext, not {backend!r}")
         if backend == "fasttext" and not model_path:
@@ -56,7 +62,9 @@ class LanguageFilter(DocumentStep):
             if self.languages is not None and language not in self.languages:
                 results.append(Removal("language_not_kept", {"language": language, "score": round(score, 4)}))
             elif score < self.min_score:
-                results.append(Removal("low_language_score", {"language": language, "score": round(score, 4)}))
+                results.append(
+                    Removal("low_language_score", {"language": language, "score": round(score, 4)})
+                )
             else:
                 results.append(None)
         return results

@@ -25,11 +25,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "OUTPUT/curated/domain=<d>/quality=<q>/, OUTPUT/removed/stage=<s>/reason=<r>/, "
             "OUTPUT/rejected/ and OUTPUT/stats.json. Reruns give identical output."
         ),
-        epilog="example: tokenmill curate --recipe configs/curate/web.yaml --input 'raw/*.jsonl.zst' --output out/",
+        epilog="example: tokenmill curate --recipe configs/curate/web.yaml --input 'raw/*.jsonl.zst' "
+        "--output out/",
     )
     parser.add_argument("--recipe", required=True, help="curation recipe YAML (configs/curate/*.yaml)")
-    parser.add_argument("--input", required=True, action="append", metavar="PATH_OR_GLOB",
-                        help="input files: a path or glob, local or gs://...; repeatable")
+    parser.add_argument(
+        "--input",
+        required=True,
+        action="append",
+        metavar="PATH_OR_GLOB",
+        help="input files: a path or glob, local or gs://...; repeatable",
+    )
     parser.add_argument("--output", required=True, help="output folder, local or gs://...")
     add_runner_arguments(parser)
     parser.set_defaults(handler=run_curate)
@@ -59,8 +65,14 @@ def run_curate(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     inputs = expand_inputs(args.input)
     run = CurateRun(recipe=recipe, recipe_path=args.recipe, inputs=inputs, output=args.output)
-    log.info("curate: %d input files, recipe %s (%s), output %s, runner %s", len(inputs), recipe.name,
-             " -> ".join(recipe.stage_names()), args.output, args.runner)
+    log.info(
+        "curate: %d input files, recipe %s (%s), output %s, runner %s",
+        len(inputs),
+        recipe.name,
+        " -> ".join(recipe.stage_names()),
+        args.output,
+        args.runner,
+    )
     pipeline = make_pipeline(args, "curate")
     build_pipeline(pipeline, run)
     if args.runner == "local":
@@ -76,8 +88,12 @@ def run_curate(args: argparse.Namespace) -> int:
     print(summary(stats, elapsed))
     seconds = stage_seconds(result)
     if seconds:
-        print("  CPU seconds inside each step: " + ", ".join(
-            f"{stage} {value:.2f}" for stage, value in sorted(seconds.items(), key=lambda item: -item[1])))
+        print(
+            "  CPU seconds inside each step: "
+            + ", ".join(
+                f"{stage} {value:.2f}" for stage, value in sorted(seconds.items(), key=lambda item: -item[1])
+            )
+        )
     if not stats["balanced"]:
         print("ERROR: documents read != kept + removed + rejected; see stats.json")
         return 1

@@ -32,17 +32,17 @@ import apache_beam as beam
 
 from tokenmill import storage
 from tokenmill.cells import cell_name
+from tokenmill.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
 from tokenmill.filters.base import DocumentStep
 from tokenmill.pipelines.readers import InputFields, read_file
 from tokenmill.pipelines.recipe import GroupingStep, Recipe, build_steps
-from tokenmill.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
 from tokenmill.pipelines.sinks import WritePartitioned, write_jsonl_zst, write_parquet
 
 log = logging.getLogger(__name__)
 
 OUTPUT_PARTS = ("curated", "removed", "rejected", "stats.json")
 STATS_FORMAT_VERSION = 1
-_PATH_UNSAFE = str.maketrans({c: "_" for c in "/\\=:*?\"<>| "})
+_PATH_UNSAFE = str.maketrans({c: "_" for c in '/\\=:*?"<>| '})
 
 
 def text_hash(text: str) -> str:
@@ -70,8 +70,11 @@ class Progress:
         if now - self.last >= self.every_seconds:
             self.last = now
             rate = self.count / max(now - self.started, 1e-9)
-            print(f"[curate pid {os.getpid()}] {self.label}: {self.count:,} ({rate:,.0f}/s)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[curate pid {os.getpid()}] {self.label}: {self.count:,} ({rate:,.0f}/s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class ReadFile(beam.DoFn):
@@ -119,9 +122,15 @@ class ApplyStep(beam.DoFn):
                 kept.append(document)
                 continue
             self.removed_counter.inc()
-            yield beam.pvalue.TaggedOutput("removed", {
-                **document, "stage": removal.stage or self.step.stage, "reason": removal.reason,
-                "detail": json.dumps(removal.detail, sort_keys=True, default=str)})
+            yield beam.pvalue.TaggedOutput(
+                "removed",
+                {
+                    **document,
+                    "stage": removal.stage or self.step.stage,
+                    "reason": removal.reason,
+                    "detail": json.dumps(removal.detail, sort_keys=True, default=str),
+                },
+            )
         self.kept_counter.inc(len(kept))
         if kept:
             yield kept
@@ -134,9 +143,15 @@ def _keep_first_copy(element: tuple[str, Iterable[dict]]):
     kept = copies[0]
     yield kept
     for copy in copies[1:]:
-        yield beam.pvalue.TaggedOutput("removed", {
-            **copy, "stage": "exact_dedupe", "reason": "exact_duplicate",
-            "detail": json.dumps({"kept_id": kept["id"]}, sort_keys=True)})
+        yield beam.pvalue.TaggedOutput(
+            "removed",
+            {
+                **copy,
+                "stage": "exact_dedupe",
+                "reason": "exact_duplicate",
+                "detail": json.dumps({"kept_id": kept["id"]}, sort_keys=True),
+            },
+        )
 
 
 class ExactDedupe(beam.PTransform):
@@ -203,6 +218,7 @@ class CurateRun:
 
 def build_stats(entries: list, run: CurateRun) -> dict:
     """stats.json from the combined counts (docs/formats.md, "stats.json")."""
+
     def triple(documents=0, characters=0, tokens=0):
         return {"documents": documents, "characters": characters, "tokens_estimated": tokens}
 
@@ -212,7 +228,9 @@ def build_stats(entries: list, run: CurateRun) -> dict:
     removed_by_reason: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     rejected_by_error: dict[str, int] = defaultdict(int)
     cells: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-    sources: dict[str, dict[str, int]] = defaultdict(lambda: {"read": 0, "kept": 0, "removed": 0, "rejected": 0})
+    sources: dict[str, dict[str, int]] = defaultdict(
+        lambda: {"read": 0, "kept": 0, "removed": 0, "rejected": 0}
+    )
     for (outcome, detail, source), counts in entries:
         if outcome == "read":
             _add(read, counts)
@@ -241,7 +259,7 @@ def build_stats(entries: list, run: CurateRun) -> dict:
     # What is left after stage i is what was kept plus what later stages removed.
     for position, stage in enumerate(stage_names):
         left = list(kept)
-        for later in stage_names[position + 1:]:
+        for later in stage_names[position + 1 :]:
             _add(left, by_stage[later])
         funnel.append({"stage": stage, "removed_documents": by_stage[stage][0], **triple(*left)})
     return {
@@ -260,7 +278,9 @@ def build_stats(entries: list, run: CurateRun) -> dict:
             key: {"stage": key.split("/", 1)[0], "reason": key.split("/", 1)[1], **triple(*counts)}
             for key, counts in sorted(removed_by_reason.items())
         },
-        "rejected_by_error": {kind: {"documents": count} for kind, count in sorted(rejected_by_error.items())},
+        "rejected_by_error": {
+            kind: {"documents": count} for kind, count in sorted(rejected_by_error.items())
+        },
         "cells": {cell: triple(*counts) for cell, counts in sorted(cells.items())},
         "sources": dict(sorted(sources.items())),
     }
@@ -312,8 +332,9 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
 
     removed_parts = []
     stage_stats_parts = []
-    batches = documents | "Batch0" >> beam.BatchElements(min_batch_size=recipe.batch_size,
-                                                         max_batch_size=recipe.batch_size)
+    batches = documents | "Batch0" >> beam.BatchElements(
+        min_batch_size=recipe.batch_size, max_batch_size=recipe.batch_size
+    )
     for position, step in enumerate(steps):
         if isinstance(step, GroupingStep):  # compares documents: unbatch, run the transform, batch again
             unbatched = batches | f"Unbatch{position}" >> beam.FlatMap(lambda batch: batch)
@@ -322,10 +343,12 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
             if "stats" in result:
                 stage_stats_parts.append(result["stats"])
             batches = result["kept"] | f"Batch{position}" >> beam.BatchElements(
-                min_batch_size=recipe.batch_size, max_batch_size=recipe.batch_size)
+                min_batch_size=recipe.batch_size, max_batch_size=recipe.batch_size
+            )
             continue
         result = batches | f"Step{position}_{step.stage}" >> beam.ParDo(ApplyStep(step)).with_outputs(
-            "removed", main="kept")
+            "removed", main="kept"
+        )
         removed_parts.append(result.removed)
         batches = result.kept
 
@@ -343,30 +366,48 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
     doc_bytes = lambda document: len(document.get("text") or "") + 64  # noqa: E731
     curated_files = (
         kept
-        | "KeyByCell" >> beam.Map(lambda d: (cell_name(d["domain"], int(d["quality"])), _row(d, DOCUMENT_SCHEMA)))
-        | "WriteCurated" >> WritePartitioned(
-            storage.join(run.output, "curated"), ".parquet",
+        | "KeyByCell"
+        >> beam.Map(lambda d: (cell_name(d["domain"], int(d["quality"])), _row(d, DOCUMENT_SCHEMA)))
+        | "WriteCurated"
+        >> WritePartitioned(
+            storage.join(run.output, "curated"),
+            ".parquet",
             lambda path, rows: write_parquet(path, rows, DOCUMENT_SCHEMA),
-            lambda row: row["id"], doc_bytes, target)
+            lambda row: row["id"],
+            doc_bytes,
+            target,
+        )
         | "CuratedFolder" >> beam.Map(lambda written: ("curated", written))
     )
     removed_files = (
         removed
-        | "KeyByReason" >> beam.Map(lambda d: (f"stage={_safe(d['stage'])}/reason={_safe(d['reason'])}",
-                                               _row(d, REMOVED_SCHEMA)))
-        | "WriteRemoved" >> WritePartitioned(
-            storage.join(run.output, "removed"), ".parquet",
+        | "KeyByReason"
+        >> beam.Map(
+            lambda d: (f"stage={_safe(d['stage'])}/reason={_safe(d['reason'])}", _row(d, REMOVED_SCHEMA))
+        )
+        | "WriteRemoved"
+        >> WritePartitioned(
+            storage.join(run.output, "removed"),
+            ".parquet",
             lambda path, rows: write_parquet(path, rows, REMOVED_SCHEMA),
-            lambda row: row["id"], doc_bytes, target)
+            lambda row: row["id"],
+            doc_bytes,
+            target,
+        )
         | "RemovedFolder" >> beam.Map(lambda written: ("removed", written))
     )
     rejected_files = (
         rejected
         | "KeyRejected" >> beam.Map(lambda r: ("", {k: v for k, v in r.items() if k != "source"}))
-        | "WriteRejected" >> WritePartitioned(
-            storage.join(run.output, "rejected"), ".jsonl.zst", write_jsonl_zst,
+        | "WriteRejected"
+        >> WritePartitioned(
+            storage.join(run.output, "rejected"),
+            ".jsonl.zst",
+            write_jsonl_zst,
             lambda r: f"{r['file']}\x00{r['line'] or 0:012d}\x00{r['offset'] or 0:015d}",
-            lambda r: len(r.get("raw") or r.get("raw_base64") or "") + 256, target)
+            lambda r: len(r.get("raw") or r.get("raw_base64") or "") + 256,
+            target,
+        )
         | "RejectedFolder" >> beam.Map(lambda written: ("rejected", written))
     )
 
@@ -392,15 +433,21 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         outcome_stats
         | "SumStats" >> beam.CombinePerKey(_sum_triples)
         | "StatsList" >> beam.combiners.ToList()
-        | "WriteStats" >> beam.ParDo(WriteStats(run), files=beam.pvalue.AsSingleton(files),
-                                     stage_stats=beam.pvalue.AsSingleton(stage_stats))
+        | "WriteStats"
+        >> beam.ParDo(
+            WriteStats(run),
+            files=beam.pvalue.AsSingleton(files),
+            stage_stats=beam.pvalue.AsSingleton(stage_stats),
+        )
     )
 
 
 def stage_seconds(result) -> dict[str, float]:
     """CPU seconds spent inside each per-document step, from the finished pipeline's counters."""
     seconds = {}
-    for counter in result.metrics().query(beam.metrics.MetricsFilter().with_namespace("tokenmill"))["counters"]:
+    for counter in result.metrics().query(beam.metrics.MetricsFilter().with_namespace("tokenmill"))[
+        "counters"
+    ]:
         name = counter.key.metric.name
         if name.endswith(".microseconds"):
             stage = name.removesuffix(".microseconds")

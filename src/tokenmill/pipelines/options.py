@@ -20,10 +20,18 @@ RUNNERS = ("local", "dataflow")
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the runner flags that every pipeline subcommand accepts."""
     group = parser.add_argument_group("runner")
-    group.add_argument("--runner", choices=RUNNERS, default="local",
-                       help="local: Beam's FnApiRunner on this machine's cores; dataflow: Google Cloud Dataflow")
-    group.add_argument("--workers", type=int, default=0,
-                       help="local worker processes (default: one per core); on Dataflow, --num_workers")
+    group.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="local",
+        help="local: Beam's FnApiRunner on this machine's cores; dataflow: Google Cloud Dataflow",
+    )
+    group.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="local worker processes (default: one per core); on Dataflow, --num_workers",
+    )
     group.add_argument("--project", help="Dataflow: Google Cloud project")
     group.add_argument("--region", help="Dataflow: region, e.g. us-central1")
     group.add_argument("--temp_location", help="Dataflow: gs:// path for temporary files")
@@ -33,11 +41,20 @@ def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max_num_workers", type=int, help="Dataflow: autoscaling ceiling")
     group.add_argument("--service_account_email", help="Dataflow: worker service account")
     group.add_argument("--setup_file", help="Dataflow: setup.py/pyproject path shipped to workers")
-    group.add_argument("--extra_package", action="append", help="Dataflow: a built wheel of tokenmill to ship")
-    group.add_argument("--dry_run", action="store_true",
-                       help="Dataflow: build and validate the job graph, do not submit it")
-    group.add_argument("--beam_option", action="append", default=[], metavar="FLAG",
-                       help="any other Beam pipeline flag, passed through as is (repeatable), e.g. --beam_option=--experiments=use_runner_v2")
+    group.add_argument(
+        "--extra_package", action="append", help="Dataflow: a built wheel of tokenmill to ship"
+    )
+    group.add_argument(
+        "--dry_run", action="store_true", help="Dataflow: build and validate the job graph, do not submit it"
+    )
+    group.add_argument(
+        "--beam_option",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="any other Beam pipeline flag, passed through as is (repeatable), "
+        "e.g. --beam_option=--experiments=use_runner_v2",
+    )
 
 
 def local_worker_count(requested: int = 0) -> int:
@@ -60,8 +77,12 @@ def pipeline_flags(args: argparse.Namespace) -> list[str]:
         from tokenmill.cli import UsageError
 
         raise UsageError("--runner dataflow needs " + ", ".join(f"--{name}" for name in missing))
-    flags = ["--runner=DataflowRunner", f"--project={args.project}", f"--region={args.region}",
-             f"--temp_location={args.temp_location}"]
+    flags = [
+        "--runner=DataflowRunner",
+        f"--project={args.project}",
+        f"--region={args.region}",
+        f"--temp_location={args.temp_location}",
+    ]
     for name in ("staging_location", "job_name", "machine_type", "max_num_workers", "service_account_email"):
         value = getattr(args, name)
         if value:

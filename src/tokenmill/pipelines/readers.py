@@ -42,8 +42,11 @@ class InputFields:
 
 
 def input_format(path: str) -> str | None:
-    """'jsonl', 'jsonl.gz', 'jsonl.zst', 'parquet', or None for an extension we cannot read."""
+    """'jsonl', 'jsonl.gz', 'jsonl.zst', 'parquet', 'warc', 'warc.gz', or None for an unknown extension."""
     name = os.path.basename(path).lower()
+    for suffix in (".warc", ".warc.gz"):  # web crawls: tokenmill.pipelines.warc
+        if name.endswith(suffix):
+            return suffix[1:]
     for suffix in PARQUET_SUFFIXES:
         if name.endswith(suffix):
             return "parquet"
@@ -58,11 +61,27 @@ def source_name(path: str) -> str:
     return os.path.basename(path.rstrip("/"))
 
 
-def rejected(path: str, error_kind: str, error: str, raw: bytes | str | None = None,
-             line: int | None = None, offset: int | None = None) -> dict:
+def rejected(
+    path: str,
+    error_kind: str,
+    error: str,
+    raw: bytes | str | None = None,
+    line: int | None = None,
+    offset: int | None = None,
+) -> dict:
     """A rejected-input record (docs/formats.md, "Rejected input")."""
-    record = {"kind": "rejected", "file": path, "source": source_name(path), "line": line, "offset": offset,
-              "error_kind": error_kind, "error": error, "raw": None, "raw_base64": None, "raw_truncated": False}
+    record = {
+        "kind": "rejected",
+        "file": path,
+        "source": source_name(path),
+        "line": line,
+        "offset": offset,
+        "error_kind": error_kind,
+        "error": error,
+        "raw": None,
+        "raw_base64": None,
+        "raw_truncated": False,
+    }
     if raw is not None:
         data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
         record["raw_truncated"] = len(data) > RAW_LIMIT
@@ -101,7 +120,10 @@ def _field_problem(record: object, fields: InputFields) -> tuple[str, str] | Non
     if fields.text not in record:
         return "missing_text", f"no {fields.text!r} field"
     if not isinstance(record[fields.text], str):
-        return "text_not_string", f"field {fields.text!r} is {type(record[fields.text]).__name__}, not a string"
+        return (
+            "text_not_string",
+            f"field {fields.text!r} is {type(record[fields.text]).__name__}, not a string",
+        )
     return None
 
 
@@ -174,26 +196,49 @@ def read_jsonl(path: str, compression: str, fields: InputFields) -> Iterator[dic
             try:
                 line_text = stripped.decode("utf-8")
             except UnicodeDecodeError as error:
-                yield rejected(path, "bad_utf8", f"{path}:{line_number}: invalid UTF-8 ({error.reason} at "
-                               f"byte {error.start})", raw_line, line=line_number, offset=line_offset)
+                yield rejected(
+                    path,
+                    "bad_utf8",
+                    f"{path}:{line_number}: invalid UTF-8 ({error.reason} at byte {error.start})",
+                    raw_line,
+                    line=line_number,
+                    offset=line_offset,
+                )
                 continue
             try:
                 record = json.loads(line_text)
             except json.JSONDecodeError as error:
-                yield rejected(path, "bad_json", f"{path}:{line_number}: malformed JSON: {error.msg} at "
-                               f"column {error.colno}", raw_line, line=line_number, offset=line_offset)
+                yield rejected(
+                    path,
+                    "bad_json",
+                    f"{path}:{line_number}: malformed JSON: {error.msg} at column {error.colno}",
+                    raw_line,
+                    line=line_number,
+                    offset=line_offset,
+                )
                 continue
             problem = _field_problem(record, fields)
             if problem:
-                yield rejected(path, problem[0], f"{path}:{line_number}: {problem[1]}", raw_line,
-                               line=line_number, offset=line_offset)
+                yield rejected(
+                    path,
+                    problem[0],
+                    f"{path}:{line_number}: {problem[1]}",
+                    raw_line,
+                    line=line_number,
+                    offset=line_offset,
+                )
                 continue
             yield make_document(record, path, f"L{line_number}", fields)
     except (TruncatedInput, zstandard.ZstdError, EOFError, gzip.BadGzipFile, zlib.error, OSError) as error:
         # A truncated or corrupt compressed stream: what decoded before the damage was read above.
-        yield rejected(path, "truncated", f"{path}: compressed stream ends or breaks after {offset} "
-                       f"decompressed bytes (line {line_number + 1}): {error}", line=line_number + 1,
-                       offset=offset)
+        yield rejected(
+            path,
+            "truncated",
+            f"{path}: compressed stream ends or breaks after {offset} "
+            f"decompressed bytes (line {line_number + 1}): {error}",
+            line=line_number + 1,
+            offset=offset,
+        )
 
 
 def read_parquet(path: str, fields: InputFields) -> Iterator[dict]:
@@ -204,8 +249,11 @@ def read_parquet(path: str, fields: InputFields) -> Iterator[dict]:
         with storage.open_file(path, "rb") as handle:
             parquet = pq.ParquetFile(handle)
             if fields.text not in parquet.schema_arrow.names:
-                yield rejected(path, "missing_text", f"{path}: no {fields.text!r} column "
-                               f"(columns: {', '.join(parquet.schema_arrow.names)})")
+                yield rejected(
+                    path,
+                    "missing_text",
+                    f"{path}: no {fields.text!r} column (columns: {', '.join(parquet.schema_arrow.names)})",
+                )
                 return
             for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
                 for record in batch.to_pylist():
@@ -217,8 +265,9 @@ def read_parquet(path: str, fields: InputFields) -> Iterator[dict]:
                         continue
                     yield make_document(record, path, f"R{row}", fields)
     except Exception as error:  # pyarrow raises several types for damaged files
-        yield rejected(path, "unreadable", f"{path}: Parquet unreadable after {row} rows: {error}",
-                       line=row + 1)
+        yield rejected(
+            path, "unreadable", f"{path}: Parquet unreadable after {row} rows: {error}", line=row + 1
+        )
 
 
 def read_file(path: str, fields: InputFields) -> Iterator[dict]:
@@ -227,10 +276,19 @@ def read_file(path: str, fields: InputFields) -> Iterator[dict]:
     if kind is None:
         with storage.open_file(path, "rb") as handle:
             head = handle.read(RAW_LIMIT + 1)
-        yield rejected(path, "unknown_format", f"{path}: unknown extension; expected one of "
-                       ".jsonl, .jsonl.gz, .jsonl.zst, .parquet", head)
+        yield rejected(
+            path,
+            "unknown_format",
+            f"{path}: unknown extension; expected one of "
+            ".jsonl, .jsonl.gz, .jsonl.zst, .parquet, .warc, .warc.gz",
+            head,
+        )
         return
-    if kind == "parquet":
+    if kind.startswith("warc"):
+        from tokenmill.pipelines.warc import read_warc  # imports FastWARC and Resiliparse only when needed
+
+        yield from read_warc(path)
+    elif kind == "parquet":
         yield from read_parquet(path, fields)
     else:
-        yield from read_jsonl(path, kind[len("jsonl"):], fields)
+        yield from read_jsonl(path, kind[len("jsonl") :], fields)

@@ -30,7 +30,9 @@ ZSTD_LEVEL = 3
 
 def stable_hash(text: str) -> int:
     """A 64-bit hash that is the same in every process and run (Python's hash() is salted)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little"
+    )
 
 
 def part_name(index: int, count: int, suffix: str) -> str:
@@ -40,19 +42,27 @@ def part_name(index: int, count: int, suffix: str) -> str:
 def write_parquet(path: str, rows: list[dict], schema: pa.Schema) -> None:
     table = pa.Table.from_pylist(rows, schema=schema)
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd", row_group_size=PARQUET_ROW_GROUP_ROWS,
-                   write_statistics=True)
+    pq.write_table(
+        table, buffer, compression="zstd", row_group_size=PARQUET_ROW_GROUP_ROWS, write_statistics=True
+    )
     storage.write_bytes(path, buffer.getvalue())
 
 
 def write_jsonl_zst(path: str, rows: list[dict]) -> None:
-    lines = b"".join(json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n" for row in rows)
+    lines = b"".join(
+        json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n" for row in rows
+    )
     storage.write_bytes(path, zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(lines))
 
 
 class _WriteFile(beam.DoFn):
-    def __init__(self, output_dir: str, suffix: str, write: Callable[[str, list[dict]], None],
-                 record_key: Callable[[dict], str]):
+    def __init__(
+        self,
+        output_dir: str,
+        suffix: str,
+        write: Callable[[str, list[dict]], None],
+        record_key: Callable[[dict], str],
+    ):
         self.output_dir = output_dir
         self.suffix = suffix
         self.write = write
@@ -62,8 +72,11 @@ class _WriteFile(beam.DoFn):
     def process(self, element: tuple[tuple[str, int, int], Iterable[dict | None]]):
         (partition, index, count), records = element
         rows = sorted((record for record in records if record is not None), key=self.record_key)
-        relative = f"{partition}/{part_name(index, count, self.suffix)}" if partition else part_name(
-            index, count, self.suffix)
+        relative = (
+            f"{partition}/{part_name(index, count, self.suffix)}"
+            if partition
+            else part_name(index, count, self.suffix)
+        )
         self.write(storage.join(self.output_dir, relative), rows)
         self.files_written.inc()
         yield relative, len(rows)
@@ -72,8 +85,15 @@ class _WriteFile(beam.DoFn):
 class WritePartitioned(beam.PTransform):
     """Write (partition, record) pairs as size-bounded files; outputs (relative path, rows) per file."""
 
-    def __init__(self, output_dir: str, suffix: str, write: Callable[[str, list[dict]], None],
-                 record_key: Callable[[dict], str], record_bytes: Callable[[dict], int], target_file_bytes: int):
+    def __init__(
+        self,
+        output_dir: str,
+        suffix: str,
+        write: Callable[[str, list[dict]], None],
+        record_key: Callable[[dict], str],
+        record_bytes: Callable[[dict], int],
+        target_file_bytes: int,
+    ):
         super().__init__()
         self.output_dir = output_dir
         self.suffix = suffix
@@ -92,10 +112,13 @@ class WritePartitioned(beam.PTransform):
             | "FileCount" >> beam.Map(lambda pair: (pair[0], max(1, math.ceil(pair[1] / target))))
         )
         every_file = file_counts | "EveryFile" >> beam.FlatMap(
-            lambda pair: [((pair[0], index, pair[1]), None) for index in range(pair[1])])
+            lambda pair: [((pair[0], index, pair[1]), None) for index in range(pair[1])]
+        )
         assigned = keyed_records | "AssignFile" >> beam.Map(
             lambda pair, counts: (
-                (pair[0], stable_hash(record_key(pair[1])) % counts[pair[0]], counts[pair[0]]), pair[1]),
+                (pair[0], stable_hash(record_key(pair[1])) % counts[pair[0]], counts[pair[0]]),
+                pair[1],
+            ),
             counts=beam.pvalue.AsDict(file_counts),
         )
         return (
