@@ -126,7 +126,7 @@ def main() -> int:
             card = json.loads((root / kind / "model.json").read_text())
             print(
                 f"{kind} model: held-out accuracy {card['holdout_metrics']['accuracy']:.3f} on "
-                f"{card['data']['holdout']} examples (synthetic labelled data: scripts/make_classifier_data.py)"
+                f"{card['data']['holdout']} examples (synthetic data: scripts/make_classifier_data.py)"
             )
         stage_rate = len(texts) / stage_time
         loop_rate = len(texts) / loop_time
