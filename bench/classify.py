@@ -6,7 +6,7 @@ then a corpus of documents runs through a curate pipeline whose stages are just 
 The stages' own time comes from the pipeline's counters (CPU time inside each step, summed over workers),
 so the comparison is per core, like the loop.
 
-    python -P bench/classify.py [--documents 20000]
+    python bench/classify.py [--documents 20000]
 
 Last line: `classify ratio=X.XX target=0.7 baseline=fasttext_predict_loop` (stage documents per CPU second
 over the loop's documents per second).

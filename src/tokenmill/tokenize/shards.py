@@ -52,14 +52,17 @@ def file_sha256(path: str) -> str:
 
 def check_format_version(found: Any, where: str) -> None:
     if found != FORMAT_VERSION:
-        raise ShardError(f"{where}: token shard format version {found!r}, but this reader expects {FORMAT_VERSION}")
+        raise ShardError(
+            f"{where}: token shard format version {found!r}, but this reader expects {FORMAT_VERSION}"
+        )
 
 
 def check_tokenizer(found: str, expected: str | None, where: str, name: str = "") -> None:
     if expected is not None and found != expected:
         named = f" ({name})" if name else ""
         raise ShardError(
-            f"{where}: made with tokenizer sha256 {found}{named}, but the caller expects tokenizer sha256 {expected}"
+            f"{where}: made with tokenizer sha256 {found}{named}, "
+            f"but the caller expects tokenizer sha256 {expected}"
         )
 
 
@@ -71,7 +74,8 @@ def _map(path: str, dtype: np.dtype, count: int) -> np.ndarray:
     size = os.path.getsize(local)
     if size != count * dtype.itemsize:
         raise ShardChecksumError(
-            f"{path}: {size} bytes, but the manifest says {count} x {dtype.itemsize} = {count * dtype.itemsize}"
+            f"{path}: {size} bytes, but the manifest says {count} x {dtype.itemsize} = "
+            f"{count * dtype.itemsize} (a truncated or damaged shard)"
         )
     if count == 0:
         # numpy cannot map an empty file.
@@ -93,11 +97,15 @@ class TokenShards:
         self.path = storage.local_path(path).rstrip("/")
         manifest_path = os.path.join(self.path, MANIFEST)
         if not os.path.exists(manifest_path):
-            raise ShardError(f"{manifest_path}: missing (not a token cell, or its tokenize run did not finish)")
+            raise ShardError(
+                f"{manifest_path}: missing (not a token cell, or its tokenize run did not finish)"
+            )
         self.manifest: dict[str, Any] = storage.read_json(manifest_path)
         check_format_version(self.manifest.get("format_version"), manifest_path)
         tokenizer = self.manifest["tokenizer"]
-        check_tokenizer(tokenizer["sha256"], expected_tokenizer_sha256, manifest_path, tokenizer.get("name", ""))
+        check_tokenizer(
+            tokenizer["sha256"], expected_tokenizer_sha256, manifest_path, tokenizer.get("name", "")
+        )
         dtype_name = self.manifest["dtype"]
         if dtype_name not in DTYPES:
             raise ShardError(f"{manifest_path}: dtype {dtype_name!r}, expected one of {', '.join(DTYPES)}")
@@ -127,7 +135,9 @@ class TokenShards:
         self._token_starts = np.concatenate([[0], np.cumsum(tokens)])
         self.num_documents = int(self._doc_starts[-1])
         self.num_tokens = int(self._token_starts[-1])
-        if self.num_documents != int(self.manifest["documents"]) or self.num_tokens != int(self.manifest["tokens"]):
+        if self.num_documents != int(self.manifest["documents"]) or self.num_tokens != int(
+            self.manifest["tokens"]
+        ):
             raise ShardError(f"{manifest_path}: cell totals do not equal the sum of its shards")
         if verify:
             self.verify()
@@ -136,7 +146,10 @@ class TokenShards:
         return os.path.join(self.path, shard["name"] + suffix)
 
     def verify(self) -> int:
-        """Check every file against the manifest's sha256; returns bytes checked, raises ShardChecksumError."""
+        """Check every file against its sha256 in the manifest; returns bytes checked.
+
+        Raises ShardChecksumError naming the first file that does not match.
+        """
         checked = 0
         for shard in self.shards:
             for suffix, key in ((".bin", "bin_sha256"), (".idx", "idx_sha256")):
@@ -206,7 +219,9 @@ class TokenCatalog:
     counts that counts.json lists for it, so a catalog never mixes tokenizers or plans against stale counts.
     """
 
-    def __init__(self, tokens_dir: str, expected_tokenizer_sha256: str | None = None, verify: bool = False) -> None:
+    def __init__(
+        self, tokens_dir: str, expected_tokenizer_sha256: str | None = None, verify: bool = False
+    ) -> None:
         self.path = storage.local_path(tokens_dir).rstrip("/")
         counts_path = os.path.join(self.path, COUNTS)
         if not os.path.exists(counts_path):
@@ -214,7 +229,9 @@ class TokenCatalog:
         self.counts: dict[str, Any] = storage.read_json(counts_path)
         check_format_version(self.counts.get("format_version"), counts_path)
         self.tokenizer: dict[str, Any] = self.counts["tokenizer"]
-        check_tokenizer(self.tokenizer["sha256"], expected_tokenizer_sha256, counts_path, self.tokenizer.get("name", ""))
+        check_tokenizer(
+            self.tokenizer["sha256"], expected_tokenizer_sha256, counts_path, self.tokenizer.get("name", "")
+        )
         self.tokenizer_sha256: str = self.tokenizer["sha256"]
         self.total_tokens: int = int(self.counts["total_tokens"])
         self.total_documents: int = int(self.counts["total_documents"])
@@ -246,12 +263,17 @@ class TokenCatalog:
             if cell not in self.counts["cells"]:
                 raise KeyError(f"{cell!r} is not in {os.path.join(self.path, COUNTS)}")
             entry = self.counts["cells"][cell]
-            manifest_dir = os.path.dirname(os.path.join(self.path, entry.get("manifest", f"{cell}/{MANIFEST}")))
-            shards = TokenShards(manifest_dir, expected_tokenizer_sha256=self.tokenizer_sha256, verify=self._verify)
+            manifest_dir = os.path.dirname(
+                os.path.join(self.path, entry.get("manifest", f"{cell}/{MANIFEST}"))
+            )
+            shards = TokenShards(
+                manifest_dir, expected_tokenizer_sha256=self.tokenizer_sha256, verify=self._verify
+            )
             if shards.num_tokens != int(entry["tokens"]) or shards.num_documents != int(entry["documents"]):
                 raise ShardError(
-                    f"{os.path.join(self.path, COUNTS)}: lists {entry['tokens']} tokens / {entry['documents']} "
-                    f"documents for {cell}, but its manifest has {shards.num_tokens} / {shards.num_documents}"
+                    f"{os.path.join(self.path, COUNTS)}: lists {entry['tokens']} tokens / "
+                    f"{entry['documents']} documents for {cell}, but its manifest has "
+                    f"{shards.num_tokens} / {shards.num_documents}"
                 )
             self._open[cell] = shards
         return self._open[cell]

@@ -113,7 +113,9 @@ def tokenizer_from_bytes(data: bytes, source: str = "tokenizer.json"):
     return tokenizer
 
 
-def describe(tokenizer, data: bytes, path: str, name: str | None = None, eos_token: str | None = None) -> TokenizerInfo:
+def describe(
+    tokenizer, data: bytes, path: str, name: str | None = None, eos_token: str | None = None
+) -> TokenizerInfo:
     """The manifest description of a loaded tokenizer; raises TokenizerError without an end-of-text token."""
     if eos_token is not None:
         eos_id = tokenizer.token_to_id(eos_token)
@@ -173,13 +175,17 @@ def new_byte_level_bpe():
     return tokenizer
 
 
-def train_byte_level_bpe(texts: Iterable[list[str]], vocab_size: int, min_frequency: int = 2, length: int | None = None):
+def train_byte_level_bpe(
+    texts: Iterable[list[str]], vocab_size: int, min_frequency: int = 2, length: int | None = None
+):
     """Train a byte-level BPE with `<|endoftext|>` as id 0, from an iterator of text batches."""
     from tokenizers import pre_tokenizers, trainers
 
     minimum = len(pre_tokenizers.ByteLevel.alphabet()) + 1
     if vocab_size < minimum:
-        raise ValueError(f"vocabulary size {vocab_size} is too small: a byte-level BPE needs at least {minimum}")
+        raise ValueError(
+            f"vocabulary size {vocab_size} is too small: a byte-level BPE needs at least {minimum}"
+        )
     tokenizer = new_byte_level_bpe()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -194,16 +200,23 @@ def train_byte_level_bpe(texts: Iterable[list[str]], vocab_size: int, min_freque
 
 
 def curated_parquet_files(path: str) -> list[str]:
-    """Parquet files of a curated folder (every cell), a single file, or a glob; sorted."""
+    """Parquet files of a curated folder (every cell), a single file, or a glob; sorted.
+
+    A folder is read as curated/ (domain=*/quality=*/*.parquet, at any depth) when it has that layout, else
+    every Parquet file below it.
+    """
     if any(c in path for c in "*?[") or path.endswith(".parquet"):
-        pattern = path
+        files = storage.expand_glob(path)
     else:
-        pattern = storage.join(path, "**", "*.parquet")
-    files = storage.expand_glob(pattern)
+        # Cell folders first, at any depth: a curate output folder's removed/ documents are never taken.
+        files = storage.expand_glob(storage.join(path, "**", "domain=*", "quality=*", "*.parquet"))
+        files = files or storage.expand_glob(storage.join(path, "**", "*.parquet"))
     return [f for f in files if not os.path.basename(f).startswith(storage.TEMPORARY_PREFIX)]
 
 
-def iter_text_batches(files: list[str], max_documents: int | None, batch_size: int = 1000) -> Iterator[list[str]]:
+def iter_text_batches(
+    files: list[str], max_documents: int | None, batch_size: int = 1000
+) -> Iterator[list[str]]:
     """Text column of the files in batches, at most `max_documents` in all, spread over every file.
 
     Each file gets an equal share of what is left of the budget, so a capped sample draws from every cell
