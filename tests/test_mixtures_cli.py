@@ -15,12 +15,15 @@ MIXTURES = REPO / "mixtures"
 REFERENCE = str(MIXTURES / "marin-535b-a23b.yaml")
 SAMPLE_COUNTS = {
     "format_version": 1,
-    "tokenizer": {"name": "tokenmill-bpe-8k", "sha256": "", "vocab_size": 8192},
+    "tokenizer": {"name": "tokenmill-bpe-4k", "sha256": "", "vocab_size": 4096},
     "total_tokens": 0,
     "total_documents": 0,
+    # Cells like those the demo's classifiers make of the sample corpus (a few domains are missing, as they
+    # may be: the demo mixture spreads their weight over the others).
     "cells": {
-        **{f"domain=web/quality={q}": {"tokens": 40_000 + 1_000 * q, "documents": 9} for q in range(5)},
-        "domain=code/quality=2": {"tokens": 30_000, "documents": 9},
+        **{f"domain=reference/quality={q}": {"tokens": 40_000 + 1_000 * q, "documents": 9} for q in range(5)},
+        **{f"domain=code/quality={q}": {"tokens": 20_000, "documents": 9} for q in (2, 3, 4)},
+        "domain=conversation/quality=3": {"tokens": 10_000, "documents": 9},
     },
 }
 

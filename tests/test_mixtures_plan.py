@@ -307,6 +307,7 @@ def test_plain_small_run_is_not_a_slice():
 
 # -- the demo and counts.json ------------------------------------------------------------------------------
 
+SAMPLE_MIXTURE = Path(__file__).parent / "fixtures" / "sample-mixture.yaml"
 SAMPLE_CELLS = {
     **{f"domain=web/quality={q}": tokens for q, tokens in enumerate([90_000, 60_000, 40_000, 25_000, 8_000])},
     **{f"domain=code/quality={q}": tokens for q, tokens in enumerate([20_000, 30_000, 12_000])},
@@ -314,7 +315,7 @@ SAMPLE_CELLS = {
 
 
 def test_demo_plans_against_a_sample_catalog():
-    plan = plan_mixture(load_mixture(MIXTURES / "demo.yaml"), counts_of(SAMPLE_CELLS))
+    plan = plan_mixture(load_mixture(SAMPLE_MIXTURE), counts_of(SAMPLE_CELLS))
     assert plan.tokens_from == "counts.json" and not plan.illustrative
     assert plan.tokens_per_step == 1024 and plan.block_steps == 8
     pre, mid = plan.phases
@@ -332,21 +333,21 @@ def test_demo_plans_against_a_sample_catalog():
 
 def test_demo_plans_with_web_only():
     cells = {cell: tokens for cell, tokens in SAMPLE_CELLS.items() if "web" in cell}
-    plan = plan_mixture(load_mixture(MIXTURES / "demo.yaml"), counts_of(cells))
+    plan = plan_mixture(load_mixture(SAMPLE_MIXTURE), counts_of(cells))
     assert plan.phases[0].source("domain=web/*").block_sequences == 64
 
 
 def test_demo_without_counts_needs_them():
     with pytest.raises(MixtureError) as caught:
-        plan_mixture(load_mixture(MIXTURES / "demo.yaml"))
+        plan_mixture(load_mixture(SAMPLE_MIXTURE))
     assert str(caught.value) == (
         "phases[0].weights.domain=web/*: no declared tokens, and no tokens/counts.json to count its cells "
-        "(and 4 more sources): plan with --counts (line 23)"
+        "(and 4 more sources): plan with --counts (line 25)"
     )
 
 
 def test_tokenizer_mismatch_is_a_warning():
-    plan = plan_mixture(load_mixture(MIXTURES / "demo.yaml"), counts_of(SAMPLE_CELLS, tokenizer="other"))
+    plan = plan_mixture(load_mixture(SAMPLE_MIXTURE), counts_of(SAMPLE_CELLS, tokenizer="other"))
     assert any(w.startswith("tokenizer: the mixture names 'tokenmill-bpe-8k'") for w in plan.warnings)
 
 
@@ -488,7 +489,7 @@ def test_two_hundred_cells_plan_quickly(tmp_path):
 def test_a_cell_drawn_by_two_sources_over_their_cap_is_a_warning():
     # Only web q0 exists: domain=web/* takes all of pretraining, domain=web/quality<=2 all of midtraining;
     # each stays under max_epochs 100, but the one cell they share is drawn about 105 times.
-    plan = plan_mixture(load_mixture(MIXTURES / "demo.yaml"), counts_of({"domain=web/quality=0": 19_000}))
+    plan = plan_mixture(load_mixture(SAMPLE_MIXTURE), counts_of({"domain=web/quality=0": 19_000}))
     assert plan.sources["domain=web/*"].epochs < 100 and plan.sources["domain=web/quality<=2"].epochs < 100
     assert plan.cells["domain=web/quality=0"]["epochs"] == pytest.approx(
         plan.sources["domain=web/*"].epochs + plan.sources["domain=web/quality<=2"].epochs
@@ -504,7 +505,7 @@ def test_a_cell_drawn_by_two_sources_over_their_cap_is_a_warning():
 def test_plan_carries_the_tokenizer_hash_of_the_counts():
     counts = counts_of(SAMPLE_CELLS)
     counts["tokenizer"]["sha256"] = "ab" * 32
-    plan = plan_mixture(load_mixture(MIXTURES / "demo.yaml"), counts)
+    plan = plan_mixture(load_mixture(SAMPLE_MIXTURE), counts)
     assert plan.to_json()["tokenizer_sha256"] == "ab" * 32
     assert plan.to_dict() == plan.to_json()
     assert plan_mixture(load_mixture(REFERENCE)).to_json()["tokenizer_sha256"] is None
