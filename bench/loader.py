@@ -1,0 +1,313 @@
+"""Bench: tokens per second of the uniform sampler against a sequential read of the same memory maps.
+
+Builds a token directory (three cells of random ids with end-of-text every ~500 tokens, written as the
+tokenize stage writes them, manifests and counts.json by its own functions), plans a three-source mixture
+over it with the real planner, and times `MixtureSource.batch(step)` (tokens and segment ids, int32, one
+process) against the I/O limit: the same number of tokens read front to back from the same memory maps
+into an int32 buffer, in batch-sized pieces. Defaults: 384Mi tokens (768 MB), sequences of 4,096, 256
+rows a step (1M tokens: one host's share of a big batch).
+
+* cold: the shard files are dropped from the page cache first (fsync + posix_fadvise DONTNEED, on these
+  files only, nothing else on the machine; with every memory map of them closed, as the kernel keeps
+  mapped pages), then `--cold-tokens` are loaded; each side is timed from cold `--repeats` times,
+  alternating, and the medians compared. Sides: the sampler as the trainer gets it (read-ahead and a
+  prefetch thread), the sampler on the caller's thread alone (no read-ahead, no prefetch), the sampler
+  with the block shuffle, and the sequential read.
+* warm: every page is in memory; `--warm-seconds` of batches, on the caller's thread alone (the one-core
+  target) and as the trainer gets it.
+
+Numbers depend on the disk and on whatever else runs. Run it niced, with `python -P` or from the
+repository root, so that bench/tokenize.py does not shadow the standard library.
+
+The last line is `loader ratio=X.XX target=0.5 baseline=sequential_memmap_read`: cold sampler tokens/s
+over cold sequential tokens/s. The line before it gives warm tokens/s against the 10M target.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Python puts this script's folder first on sys.path, and bench/ holds scripts named after stages
+# (bench/tokenize.py) that would shadow standard-library modules for everything imported below.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import gc  # noqa: E402
+import mmap  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+WARM_TARGET = 10e6
+COLD_TARGET = 0.5
+EOS = 0
+VOCAB = 50_000
+SHARD_TOKENS = 64 << 20  # tokens per shard file (128 MB of uint16)
+CELLS = {"domain=web/quality=3": 0.6, "domain=code/quality=2": 0.25, "domain=math/quality=1": 0.15}
+
+
+def build_tokens(root: Path, total_tokens: int) -> None:
+    """Cells of random token ids in shards of SHARD_TOKENS, through the writer's manifest and counts code."""
+    from tokenmill.tokenize.shards import file_sha256
+    from tokenmill.tokenize.tokenizer import TokenizerInfo
+    from tokenmill.tokenize.writer import write_counts, write_manifest
+
+    info = TokenizerInfo(name="bench-bpe", sha256="b" * 64, vocab_size=VOCAB, eos_id=EOS, eos_token="<eos>")
+    rng = np.random.default_rng(0)
+    summaries = []
+    for cell, share in CELLS.items():
+        folder = root / cell
+        folder.mkdir(parents=True, exist_ok=True)
+        remaining, markers, n = int(total_tokens * share), [], 0
+        while remaining > 0:
+            size = min(SHARD_TOKENS, remaining)
+            ids = rng.integers(1, VOCAB, size=size, dtype=np.uint16)
+            ends = np.union1d(np.flatnonzero(rng.random(size, dtype=np.float32) < 1 / 500), [size - 1])
+            ids[ends] = EOS
+            name = f"part-{n:05d}"
+            ids.tofile(folder / f"{name}.bin")
+            (ends + 1).astype("<u8").tofile(folder / f"{name}.idx")
+            markers.append(
+                {
+                    "name": name,
+                    "documents": len(ends),
+                    "tokens": size,
+                    "bin_sha256": file_sha256(str(folder / f"{name}.bin")),
+                    "idx_sha256": file_sha256(str(folder / f"{name}.idx")),
+                    "source_files": [f"part-{n:05d}.parquet"],
+                }
+            )
+            remaining -= size
+            n += 1
+        summaries.append(write_manifest(str(root), cell, markers, info))
+    write_counts(str(root), summaries, info)
+
+
+def make_plan(tokens_dir: Path, sequence_length: int, batch_size: int, block_size: int) -> dict:
+    from tokenmill.mixtures import load_counts, load_mixture_text, plan_mixture
+
+    counts = load_counts(tokens_dir / "counts.json")
+    spec = f"""
+name: bench
+tokenizer: bench-bpe
+total_tokens: {counts["total_tokens"]}
+sequence_length: {sequence_length}
+batch_size: {batch_size}
+block_size: {block_size}
+max_epochs: 4
+sources:
+  web: domain=web/*
+  code: domain=code/*
+  math: domain=math/*
+phases:
+  - name: pretraining
+    share: 1
+    weights: {{web: 0.5, code: 0.3, math: 0.2}}
+"""
+    return plan_mixture(load_mixture_text(spec), counts).to_json()
+
+
+def bin_files(tokens_dir: Path) -> list[Path]:
+    """The shard files in stream order: cell by cell as the plan lists them, shards in order."""
+    return [path for cell in CELLS for path in sorted((tokens_dir / cell).glob("*.bin"))]
+
+
+def evict(tokens_dir: Path) -> None:
+    """Drop these files' pages from the page cache: clean pages only (so fsync first), and only pages no
+    process has mapped, so every memory map of them must be closed before (see cold_*)."""
+    gc.collect()
+    for path in bin_files(tokens_dir):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_fraction(tokens_dir: Path) -> float:
+    """Fraction of the shard files' pages in the page cache (mincore on a fresh read-only map)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    resident = pages = 0
+    for path in bin_files(tokens_dir):
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
+            view = np.frombuffer(mapping, dtype=np.uint8)
+            count = -(-len(mapping) // mmap.PAGESIZE)
+            vector = np.zeros(count, dtype=np.uint8)
+            if libc.mincore(view.ctypes.data, len(mapping), vector.ctypes.data) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            resident += int((vector & 1).sum())
+            pages += count
+            del view
+    return resident / pages
+
+
+def sampler_run(source, first_step: int, steps: int) -> tuple[int, float]:
+    tokens = 0
+    start = time.perf_counter()
+    for step in range(first_step, first_step + steps):
+        tokens += source.batch(step).tokens.size
+    return tokens, time.perf_counter() - start
+
+
+def cold_sampler(tokens_dir: Path, plan: dict, first_step: int, steps: int, **options) -> tuple[int, float]:
+    """From an empty page cache and fresh memory maps (opening them is not timed)."""
+    from tokenmill.trainer.sampler import MixtureSource
+
+    evict(tokens_dir)
+    source = MixtureSource(plan, "pretraining", str(tokens_dir), 0, **options)
+    try:
+        return sampler_run(source, first_step, steps)
+    finally:
+        source.close()
+        del source
+        gc.collect()
+
+
+def cold_sequential(tokens_dir: Path, tokens: int, piece: int) -> tuple[int, float]:
+    """Read `tokens` front to back from fresh memory maps of the shards, `piece` tokens at a time, into an
+    int32 buffer (the sampler's output type), from an empty page cache."""
+    evict(tokens_dir)
+    maps = [np.memmap(path, dtype="<u2", mode="r") for path in bin_files(tokens_dir)]
+    buffer = np.empty(piece, dtype=np.int32)
+    done = 0
+    start = time.perf_counter()
+    for part in maps:
+        for offset in range(0, len(part), piece):
+            chunk = part[offset : offset + min(piece, tokens - done)]
+            buffer[: len(chunk)] = chunk
+            done += len(chunk)
+            if done >= tokens:
+                break
+        if done >= tokens:
+            break
+    seconds = time.perf_counter() - start
+    del maps, part, chunk
+    gc.collect()
+    return done, seconds
+
+
+def warm_sequential(tokens_dir: Path, piece: int) -> tuple[int, float]:
+    maps = [np.memmap(path, dtype="<u2", mode="r") for path in bin_files(tokens_dir)]
+    buffer = np.empty(piece, dtype=np.int32)
+    best = None
+    for _ in range(2):  # the first pass brings everything in
+        done, start = 0, time.perf_counter()
+        for part in maps:
+            for offset in range(0, len(part), piece):
+                chunk = part[offset : offset + piece]
+                buffer[: len(chunk)] = chunk
+                done += len(chunk)
+        best = (done, time.perf_counter() - start)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens-dir", help="reuse (or build and keep) the bench's token directory here")
+    parser.add_argument("--total-tokens", type=int, default=384 << 20, help="tokens to build (default 384Mi)")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=256, help="rows a step (default 256)")
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument(
+        "--cold-tokens", type=int, default=48 << 20, help="tokens per cold run (default 48Mi)"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warm-seconds", type=float, default=3.0)
+    args = parser.parse_args()
+
+    from tokenmill.trainer.sampler import BlockShuffle, MixtureSource
+
+    scratch = None
+    if args.tokens_dir:
+        tokens_dir = Path(args.tokens_dir)
+    else:
+        scratch = tempfile.mkdtemp(prefix="tokenmill-bench-loader-")
+        tokens_dir = Path(scratch)
+    try:
+        if not (tokens_dir / "counts.json").exists():
+            t0 = time.perf_counter()
+            build_tokens(tokens_dir, args.total_tokens)
+            print(f"built {args.total_tokens:,} tokens in {tokens_dir} ({time.perf_counter() - t0:.1f}s)")
+        plan = make_plan(tokens_dir, args.seq_len, args.batch_size, args.block_size)
+        source = MixtureSource(plan, "pretraining", str(tokens_dir), seed=0)
+        total = sum(src.stream.num_tokens for src in source.sources)
+        print(source)
+        windows = ", ".join(f"{s.name} {s.num_windows:,}" for s in source.sources)
+        print(f"{total:,} tokens in {len(bin_files(tokens_dir))} shards; windows: {windows}")
+        del source
+        row_tokens = args.seq_len + 1
+        batch_tokens = args.batch_size * row_tokens
+        cold_steps = max(1, args.cold_tokens // batch_tokens)
+
+        # Cold: alternate the sides, each from an empty page cache, on other steps each time.
+        helpers_off = {"readahead_tokens": 0, "prefetch_batches": 0}
+        shuffled = {"block_shuffle": BlockShuffle()}
+        runs: dict[str, list[float]] = {
+            "sampler": [],
+            "sampler_one_thread": [],
+            "sampler_block_shuffle": [],
+            "sequential": [],
+        }
+        for repeat in range(args.repeats):
+            tokens, seconds = cold_sampler(tokens_dir, plan, repeat * cold_steps, cold_steps)
+            runs["sampler"].append(tokens / seconds)
+            if repeat == 0:
+                evict(tokens_dir)
+                print(f"after eviction {resident_fraction(tokens_dir):.1%} of the shard pages are in memory")
+            first = (args.repeats + repeat) * cold_steps
+            more, seconds = cold_sampler(tokens_dir, plan, first, cold_steps, **helpers_off)
+            runs["sampler_one_thread"].append(more / seconds)
+            first = (2 * args.repeats + repeat) * cold_steps
+            more, seconds = cold_sampler(tokens_dir, plan, first, cold_steps, **shuffled)
+            runs["sampler_block_shuffle"].append(more / seconds)
+            done, seconds = cold_sequential(tokens_dir, tokens, batch_tokens)
+            runs["sequential"].append(done / seconds)
+        median = {name: statistics.median(values) for name, values in runs.items()}
+        print(f"cold, {cold_steps * batch_tokens / 1e6:.1f}M tokens a run, median of {args.repeats} (runs):")
+        for name, values in runs.items():
+            each = ", ".join(f"{x / 1e6:.1f}M" for x in values)
+            print(f"  {name:22s} {median[name] / 1e6:8.1f}M tokens/s  ({each})")
+
+        # Warm: everything in memory. The target is for one core: no helper threads.
+        tokens, seconds = warm_sequential(tokens_dir, batch_tokens)
+        sequential_warm = tokens / seconds
+        warm = {}
+        for name, options in (("sampler_one_thread", helpers_off), ("sampler", {})):
+            source = MixtureSource(plan, "pretraining", str(tokens_dir), seed=0, **options)
+            sampler_run(source, 0, 3)
+            steps, tokens, seconds = 0, 0, 0.0
+            while seconds < args.warm_seconds:
+                more, took = sampler_run(source, 3 + steps, 10)
+                steps, tokens, seconds = steps + 10, tokens + more, seconds + took
+            source.close()
+            warm[name] = tokens / seconds
+            print(
+                f"warm: {name:20s} {warm[name] / 1e6:8.1f}M tokens/s ({steps} batches of {batch_tokens:,} "
+                f"tokens, {seconds / steps * 1e3:.2f} ms a batch)"
+            )
+        print(f"warm: {'sequential':20s} {sequential_warm / 1e6:8.1f}M tokens/s")
+        one_core = warm["sampler_one_thread"]
+        print(
+            f"warm sampler {one_core / 1e6:.1f}M tokens/s on one core (no helper threads): "
+            f"{'meets' if one_core >= WARM_TARGET else 'MISSES'} the {WARM_TARGET / 1e6:.0f}M target"
+        )
+        ratio = median["sampler"] / median["sequential"]
+        print(f"loader ratio={ratio:.2f} target={COLD_TARGET} baseline=sequential_memmap_read")
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

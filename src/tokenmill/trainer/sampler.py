@@ -1,0 +1,714 @@
+"""Uniform sampling from a mixture plan: the trainer's real data source, deterministic and resumable.
+
+`MixtureSource(plan_json, phase, tokens_dir, seed, process_index, process_count).batch(step)` returns this
+process's rows of global batch `step` of a phase (docs/sampler.md). Three layers, each a pure function:
+
+* **Windows.** A source's cells, their shards in order, form one token stream. Window i is tokens
+  [i * L, i * L + L + 1) for sequence length L: L + 1 tokens (the model reads the first L and predicts the
+  last L), consecutive windows sharing one token, so that every token is predicted once per epoch and a
+  source's windows are its tokens / L, the unit the planner counts in. No padding: the stream's tail that
+  does not fill a window is never read. Segment ids come from end-of-text, so attention stays in a document.
+* **Uniform draws inside a source.** The source's d-th draw over the whole run is window
+  P_e(d mod n) of epoch e = d // n, P_e a keyed permutation of the n windows (a Feistel network with cycle
+  walking) keyed by (seed, source, epoch): without replacement inside an epoch, a new order each epoch.
+  Draws count on across phases, so a source that is in two phases continues its epoch rather than
+  restarting it. In a slice of a bigger run the n windows are a fixed keyed subset of the source's.
+* **Mixing.** Sequence s of a phase lies in mixture block s // B at position s % B (B: the plan's
+  block_size). Each block holds exactly the plan's `block_sequences` of each source: position p takes
+  slot P_block(p) of the block, a keyed permutation of range(B) per (seed, phase, block), and slots are
+  dealt to the sources in runs of their counts. Which draw of the source the slot is follows from the
+  block number and the slot, so the rows of any batch are computed without looking at any other batch.
+
+Batch `step` is rows [step x batch_size, (step + 1) x batch_size) of the phase's sequences, this process
+taking its `process_rows`. Nothing is carried from one call to the next: resuming needs only the step.
+An optional block shuffle (`BlockShuffle`, off by default) trades uniformity for contiguous reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from tokenmill.tokenize.shards import ShardError, TokenCatalog, TokenShards
+from tokenmill.trainer.data import Batch, process_rows
+
+log = logging.getLogger(__name__)
+
+FEISTEL_ROUNDS = 6
+# Announce windows this many of the process's tokens ahead (64 MB of uint16), at most so many batches.
+DEFAULT_READAHEAD_TOKENS = 32 << 20
+READAHEAD_MAX_BATCHES = 64
+# Batches assembled ahead on a helper thread: the next one is ready when the trainer asks for it.
+DEFAULT_PREFETCH_BATCHES = 2
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+# --- keyed permutations ---------------------------------------------------------------------------------
+
+
+def mix64(x: np.ndarray | int) -> np.ndarray:
+    """splitmix64's finalizer on uint64 words: a bijection; every output bit depends on every input bit."""
+    # At least 1-D: numpy wraps uint64 products silently on arrays but warns on 0-d ones.
+    z = np.array(x, dtype=np.uint64, ndmin=1)
+    z ^= z >> _S30
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
+    return z.reshape(np.shape(x))
+
+
+def derive_key(*parts: int | str) -> int:
+    """A 64-bit key from ints and strings (typed, so that 1 and "1" differ); the same on every machine."""
+    digest = hashlib.blake2b(digest_size=8, person=b"tokenmill-sample")
+    for part in parts:
+        digest.update(f"{type(part).__name__}:{part}\x00".encode())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _bit_length(values: np.ndarray) -> np.ndarray:
+    """int.bit_length of non-negative int64s (exact below 2**53; above, at worst one more: still a cover)."""
+    return np.frexp(values.astype(np.float64))[1].astype(np.uint64)
+
+
+def _feistel(x: np.ndarray, bits: int | np.ndarray, round_keys: list[np.ndarray]) -> np.ndarray:
+    """A Feistel network on `bits`-bit words (per element, or one for all): a bijection of range(2 ** bits).
+
+    Unbalanced when bits is odd: the word is (left, right) with right the smaller half; a round maps it
+    to (right, left ^ F(right)), so the halves trade sizes every round and the word keeps its width.
+    F is splitmix64's finalizer of right ^ round key, cut to the left half's width.
+    """
+    one = np.uint64(1)
+    bits = np.asarray(bits, dtype=np.uint64)
+    right_bits = bits >> one
+    for key in round_keys:
+        left_bits = bits - right_bits
+        left, right = x >> right_bits, x & ((one << right_bits) - one)
+        f = right ^ key
+        f ^= f >> _S30
+        f *= _M1
+        f ^= f >> _S27
+        f *= _M2
+        f ^= f >> _S31
+        x = (right << left_bits) | (left ^ (f & ((one << left_bits) - one)))
+        right_bits = left_bits
+    return x
+
+
+def permute(
+    index: np.ndarray | Sequence[int] | int,
+    size: int | np.ndarray,
+    key: int | np.ndarray,
+    rounds: int = FEISTEL_ROUNDS,
+) -> np.ndarray:
+    """Position of each `index` under the keyed pseudo-random permutation of range(size).
+
+    A Feistel network over the bits of size - 1 (at least 2) is a bijection of range(2 ** bits); cycle
+    walking (apply it again while the result is >= size) restricts it to a bijection of range(size), and
+    as that range is under twice size, it takes under 2 passes on average. `size` and `key` are one for
+    all elements or arrays the shape of `index`: each element is permuted by its own (size, key), so one
+    call serves many permutations. Returns int64 of index's shape; nothing of `size` elements is built.
+    """
+    shape = np.shape(index)
+    x = np.array(index, dtype=np.int64, ndmin=1).reshape(-1)
+    sizes = np.asarray(size, dtype=np.int64)
+    if sizes.ndim:
+        sizes = np.broadcast_to(sizes, shape).reshape(-1)
+    if (sizes < 1).any():
+        raise ValueError(f"cannot permute range({int(sizes.min())})")
+    if x.size and ((x < 0).any() or (x >= sizes).any()):
+        raise IndexError(f"index out of the permuted range (sizes up to {int(sizes.max())})")
+    if sizes.ndim:
+        bits = np.maximum(_bit_length(sizes - 1), np.uint64(2))
+    else:
+        bits = max(2, (int(sizes) - 1).bit_length())
+    keys = np.array(key, dtype=np.uint64, ndmin=1)
+    if keys.size > 1:
+        keys = np.broadcast_to(keys, shape).reshape(-1)
+    # Round r's function is the mix of right ^ key ^ constant_r: distinct constants keep rounds apart.
+    round_keys = [keys ^ np.uint64(((r + 1) * _GOLDEN) & _MASK64) for r in range(rounds)]
+    limit = sizes.astype(np.uint64)
+    out = _feistel(x.astype(np.uint64), bits, round_keys)
+    walking = np.flatnonzero(out >= limit)
+    while walking.size:
+        walk_keys = [k[walking] if k.size > 1 else k for k in round_keys]
+        walk_bits = bits[walking] if sizes.ndim else bits
+        out[walking] = _feistel(out[walking], walk_bits, walk_keys)
+        walking = walking[out[walking] >= (limit[walking] if sizes.ndim else limit)]
+    return out.astype(np.int64).reshape(shape)
+
+
+def _granular_permute(index: np.ndarray, size: int, key: int | np.ndarray, granule: int) -> np.ndarray:
+    """A keyed permutation of range(size) that moves runs of `granule` aligned indices together."""
+    if granule <= 1:
+        return permute(index, size, key)
+    granules = -(-size // granule)
+    out = permute(index // granule, granules, key) * granule + index % granule
+    # Only the last granule can be short; its missing indices walk on to real ones.
+    walking = np.flatnonzero(out >= size)
+    keys = np.asarray(key, dtype=np.uint64)
+    while walking.size:
+        walk_key = keys[walking] if keys.ndim else keys
+        out[walking] = permute(out[walking] // granule, granules, walk_key) * granule + out[walking] % granule
+        walking = walking[out[walking] >= size]
+    return out
+
+
+@dataclass(frozen=True)
+class BlockShuffle:
+    """Draw windows in contiguous blocks, for storage where random small reads are slow (object stores).
+
+    A source's windows are cut into blocks of `block_windows` consecutive windows; an epoch visits the
+    blocks in a keyed random order, `buffer_blocks` at a time, and shuffles the windows of those blocks
+    among themselves (as a shuffle buffer would). A reader fetches whole blocks, at the price of
+    uniformity: windows drawn close together come from at most `buffer_blocks` places in the stream.
+    Still a bijection per epoch: every window once per epoch.
+    """
+
+    block_windows: int = 64
+    buffer_blocks: int = 16
+
+    def __post_init__(self) -> None:
+        if self.block_windows < 1 or self.buffer_blocks < 1:
+            raise ValueError("BlockShuffle needs block_windows >= 1 and buffer_blocks >= 1")
+
+    def order(self, index: np.ndarray, size: int, keys: np.ndarray) -> np.ndarray:
+        """The window at each position `index` of the epoch keyed by `keys` (one per index)."""
+        width = self.block_windows
+        blocks = -(-size // width)
+        buffer = self.buffer_blocks * width
+        full_buffers = blocks // self.buffer_blocks
+        last_buffer = (blocks - full_buffers * self.buffer_blocks) * width
+        block_keys = mix64(keys ^ np.uint64(0x5BD1E995))
+
+        def step(x: np.ndarray, k: np.ndarray, bk: np.ndarray) -> np.ndarray:
+            # A bijection of range(blocks x width): position -> (buffer, place) -> shuffled place -> block.
+            buf, place = x // buffer, x % buffer
+            buffer_keys = mix64(k ^ mix64(buf.astype(np.uint64)))
+            full = buf < full_buffers
+            shuffled = np.empty_like(place)
+            if full.any():
+                shuffled[full] = permute(place[full], buffer, buffer_keys[full])
+            if (~full).any():
+                shuffled[~full] = permute(place[~full], last_buffer, buffer_keys[~full])
+            slot = buf * self.buffer_blocks + shuffled // width
+            return permute(slot, blocks, bk) * width + shuffled % width
+
+        out = step(index, keys, block_keys)
+        walking = np.flatnonzero(out >= size)
+        while walking.size:
+            out[walking] = step(out[walking], keys[walking], block_keys[walking])
+            walking = walking[out[walking] >= size]
+        return out
+
+
+# --- a source's windows ---------------------------------------------------------------------------------
+
+
+class WindowStream:
+    """Cells' shards as one token stream cut into windows of L + 1 tokens at stride L (no padding).
+
+    Windows are gathered straight from the memory maps: those inside one shard in a single fancy-index
+    over a sliding-window view of the shard (C speed, no per-window Python), the few that span two
+    shards piece by piece. `byte_ranges` names the bytes of windows for `advise`, which asks the kernel
+    to start reading them: random windows from a cold page cache are otherwise read one page fault at a
+    time, each waiting for the disk; announced ahead, their reads overlap.
+    """
+
+    def __init__(self, cells: Sequence[TokenShards], sequence_length: int) -> None:
+        if sequence_length < 1:
+            raise ValueError(f"sequence length {sequence_length} must be positive")
+        self.sequence_length = sequence_length
+        self.width = sequence_length + 1
+        self.parts: list[np.ndarray] = []
+        self.paths: list[str] = []
+        starts = [0]
+        for cell in cells:
+            offset = 0
+            for shard in cell.shards:
+                tokens = int(shard["tokens"])
+                if tokens:
+                    # A view of the shard's memory map (no copy): tokens() stays inside one shard here.
+                    self.parts.append(cell.tokens(offset, offset + tokens))
+                    self.paths.append(os.path.join(cell.path, shard["name"] + ".bin"))
+                    starts.append(starts[-1] + tokens)
+                offset += tokens
+        self.starts = np.array(starts, dtype=np.int64)
+        self.num_tokens = int(self.starts[-1])
+        self.num_windows = max(0, (self.num_tokens - 1) // sequence_length)
+        self._views = [
+            np.lib.stride_tricks.sliding_window_view(part, self.width) if len(part) >= self.width else None
+            for part in self.parts
+        ]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the stream, across shard boundaries."""
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pieces = []
+        part = first
+        while start < stop:
+            base = int(self.starts[part])
+            end = min(stop, int(self.starts[part + 1]))
+            pieces.append(self.parts[part][start - base : end - base])
+            start = end
+            part += 1
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def byte_ranges(self, windows: np.ndarray) -> list[tuple[str, list[int], list[int]]]:
+        """The windows' bytes as (shard file, starts, stops): sorted, overlapping and adjacent ones merged."""
+        return self.byte_ranges_at(np.asarray(windows, dtype=np.int64) * self.sequence_length)
+
+    def byte_ranges_at(self, begin: np.ndarray) -> list[tuple[str, list[int], list[int]]]:
+        """byte_ranges of the L + 1 tokens from each stream offset in `begin`."""
+        if not len(begin):
+            return []
+        begin = np.sort(begin)
+        end = begin + self.width
+        first = np.searchsorted(self.starts, begin, side="right") - 1
+        last = np.searchsorted(self.starts, end - 1, side="right") - 1
+        ranges = []
+        for part in np.unique(np.concatenate([first, last])).tolist():
+            keep = (first <= part) & (last >= part)
+            itemsize = self.parts[part].itemsize
+            lo = (np.maximum(begin[keep], self.starts[part]) - self.starts[part]) * itemsize
+            hi = (np.minimum(end[keep], self.starts[part + 1]) - self.starts[part]) * itemsize
+            # Sorted by start: a range opens a new one where it starts past every earlier range's end.
+            reach = np.maximum.accumulate(hi)
+            opens = np.concatenate([[True], lo[1:] > reach[:-1]])
+            stops = reach[np.concatenate([np.flatnonzero(opens)[1:] - 1, [len(lo) - 1]])]
+            ranges.append((self.paths[part], lo[opens].tolist(), stops.tolist()))
+        return ranges
+
+    def gather(self, windows: np.ndarray, out: np.ndarray, rows: np.ndarray) -> None:
+        """Write window windows[i] into out[rows[i]] (out: [n, L + 1], any integer dtype)."""
+        self.gather_at(np.asarray(windows, dtype=np.int64) * self.sequence_length, out, rows)
+
+    def gather_at(self, begin: np.ndarray, out: np.ndarray, rows: np.ndarray) -> None:
+        """Write the L + 1 tokens from stream offset begin[i] into out[rows[i]]."""
+        # In stream order: the memory maps are then read forward, which the kernel's readahead likes.
+        order = np.argsort(begin, kind="stable")
+        begin, rows = begin[order], np.asarray(rows)[order]
+        part = np.searchsorted(self.starts, begin, side="right") - 1
+        local = begin - self.starts[part]
+        inside = local + self.width <= self.starts[part + 1] - self.starts[part]
+        within = np.flatnonzero(inside)
+        if within.size:
+            # `part` is sorted, so each shard's windows are one run.
+            parts, firsts = np.unique(part[within], return_index=True)
+            bounds = [*firsts.tolist(), within.size]
+            for p, lo, hi in zip(parts.tolist(), bounds[:-1], bounds[1:], strict=True):
+                sel = within[lo:hi]
+                out[rows[sel]] = self._views[p][local[sel]]
+        for i in np.flatnonzero(~inside).tolist():
+            out[rows[i]] = self.read(int(begin[i]), int(begin[i]) + self.width)
+
+
+@dataclass
+class SampledSource:
+    """One source of the phase: its windows and how its draws map to them."""
+
+    name: str
+    cells: list[str]
+    block_sequences: int
+    draw_offset: int  # the source's draws in the phases before this one
+    stream: WindowStream
+    num_windows: int  # windows drawn from: all of the stream's, or a slice's fixed subset
+    key: int
+    subset_key: int
+    block_shuffle: BlockShuffle | None = None
+
+    def windows(self, draws: np.ndarray) -> np.ndarray:
+        """The stream window of each draw (0-based, counted over the whole run)."""
+        epochs = draws // self.num_windows
+        keys = mix64(np.uint64(self.key) ^ mix64(epochs.astype(np.uint64)))
+        place = draws % self.num_windows
+        if self.block_shuffle is None:
+            picked = permute(place, self.num_windows, keys)
+        else:
+            picked = self.block_shuffle.order(place, self.num_windows, keys)
+        if self.num_windows < self.stream.num_windows:
+            # A slice: the subset is the first num_windows of one fixed permutation of all windows (in
+            # whole blocks under a block shuffle, to keep its reads contiguous).
+            granule = self.block_shuffle.block_windows if self.block_shuffle else 1
+            picked = _granular_permute(picked, self.stream.num_windows, self.subset_key, granule)
+        return picked
+
+
+@dataclass(frozen=True)
+class Draws:
+    """Where each row of a batch comes from: arrays over this process's rows."""
+
+    rows: np.ndarray  # global row numbers in the batch
+    source: np.ndarray  # index into MixtureSource.sources
+    draw: np.ndarray  # the source's draw number over the run
+    epoch: np.ndarray  # draw // the source's window count
+    window: np.ndarray  # window number in the source's stream
+
+
+def segment_ids(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """The same ids as `tokenmill.trainer.data.segments_from_eos`, about ten times faster on real text.
+
+    0 for a row's first document, +1 after every end-of-text token. A cumulative sum over every token
+    costs a few ns each (a chain of dependent adds); documents are hundreds of tokens long, so instead the
+    runs between end-of-text tokens are found and each filled with its id (np.repeat). Rows that are
+    mostly end-of-text, where runs are short, take the cumulative sum.
+    """
+    rows, width = tokens.shape
+    is_eos = tokens.reshape(-1) == eos_id
+    cuts = np.flatnonzero(is_eos) + 1
+    if cuts.size * 16 > tokens.size:
+        eos = is_eos.reshape(rows, width)
+        return np.cumsum(eos, axis=1, dtype=np.int32) - eos
+    # Flat positions where a run starts: every row's start, and after each end-of-text but a row's last.
+    cuts = cuts[cuts % width != 0]
+    starts = np.sort(np.concatenate([np.arange(0, rows * width, width), cuts]))
+    run = np.arange(len(starts))
+    first_of_row = np.maximum.accumulate(np.where(starts % width == 0, run, 0))
+    lengths = np.diff(np.append(starts, rows * width))
+    return np.repeat((run - first_of_row).astype(np.int32), lengths).reshape(rows, width)
+
+
+# --- the trainer's source -------------------------------------------------------------------------------
+
+
+class MixtureSource:
+    """Batches of a mixture plan's phase from token shards: `batch(step)` is a pure function of the step.
+
+    plan_json: the plan (`tokenmill mixture plan --json`, or `Plan.to_json()`); phase: the phase's name;
+    tokens_dir: the token shards (with counts.json); seed: keys every permutation; process_index and
+    process_count: this process's slice of each batch (`process_rows`). block_shuffle: None (uniform, the
+    default) or a `BlockShuffle`. readahead_tokens: how far ahead of the batch asked for to announce
+    windows to the kernel (posix_fadvise WILLNEED), in this process's tokens, at most
+    READAHEAD_MAX_BATCHES batches; 0 turns it off. prefetch_batches: batches after the one asked for that a
+    helper thread assembles meanwhile (0: none, everything on the caller's thread). Neither changes any
+    batch: batch(step) is the same function of the step with or without them.
+    Raises ValueError (ShardError for the shards) when the plan and the shards do not fit together: an
+    unknown phase or cell, a source with no windows, mixed tokenizers. One caller thread at a time.
+    """
+
+    def __init__(
+        self,
+        plan_json: dict[str, Any],
+        phase: str,
+        tokens_dir: str,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        *,
+        block_shuffle: BlockShuffle | None = None,
+        readahead_tokens: int = DEFAULT_READAHEAD_TOKENS,
+        prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
+    ) -> None:
+        plan = plan_json
+        phases = list(plan.get("phases") or [])
+        names = [p["name"] for p in phases]
+        if phase not in names:
+            raise ValueError(f"phase {phase!r} is not in the plan (phases: {', '.join(names) or 'none'})")
+        index = names.index(phase)
+        self.phase: dict[str, Any] = phases[index]
+        self.phase_name = phase
+        self.seed = int(seed)
+        self.sequence_length = int(plan["sequence_length"])
+        self.batch_size = int(plan["batch_size"])
+        self.block_size = int(plan.get("block_size") or self.batch_size)
+        if self.sequence_length < 1 or self.batch_size < 1 or self.block_size < 1:
+            raise ValueError(
+                f"the plan's sequence_length {self.sequence_length}, batch_size {self.batch_size} and "
+                f"block_size {self.block_size} must be positive"
+            )
+        self.rows = process_rows(self.batch_size, process_index, process_count)
+        self.steps = int(self.phase.get("steps") or 0)
+
+        self.catalog = TokenCatalog(tokens_dir)
+        self.tokenizer_sha256: str | None = self.catalog.tokenizer_sha256
+        self.vocab_size = int(self.catalog.tokenizer["vocab_size"])
+        planned_sha = plan.get("tokenizer_sha256")
+        if planned_sha and planned_sha != self.tokenizer_sha256:
+            raise ShardError(
+                f"the plan was made for tokenizer sha256 {planned_sha}, but the shards in {tokens_dir} were "
+                f"made with tokenizer sha256 {self.tokenizer_sha256}; re-plan against their counts.json"
+            )
+
+        counts = _block_sequences(self.phase, self.block_size)
+        totals = plan.get("sources") or {}
+        self.sources: list[SampledSource] = []
+        eos_ids: dict[int, str] = {}
+        opened_cells: dict[str, list[TokenShards]] = {}
+        for source, count in zip(self.phase["sources"], counts, strict=True):
+            if count == 0:
+                continue  # listed with weight 0, or rounded away: never drawn in this phase
+            name = source["name"]
+            cells = list(source.get("cells") or (totals.get(name) or {}).get("cells") or [])
+            if not cells:
+                raise ValueError(
+                    f"source {name} of phase {phase} has no cells (a declared token count only), so it "
+                    "cannot be sampled; give it cells and plan against counts.json"
+                )
+            opened = []
+            for cell in cells:
+                if cell not in self.catalog:
+                    raise ValueError(
+                        f"source {name}: cell {cell} is not in {os.path.join(tokens_dir, 'counts.json')} "
+                        "(the plan was made against other shards)"
+                    )
+                try:
+                    opened.append(self.catalog[cell])
+                except ShardError as error:
+                    raise ShardError(f"source {name}, cell {cell}: {error}") from error
+                eos_ids.setdefault(opened[-1].eos_id, cell)
+            if len(eos_ids) > 1:
+                raise ShardError(f"cells disagree on the end-of-text id: {eos_ids}")
+            stream = WindowStream(opened, self.sequence_length)
+            opened_cells[name] = opened
+            if stream.num_windows == 0:
+                raise ValueError(
+                    f"source {name} has {stream.num_tokens} tokens, too few for one window of "
+                    f"{self.sequence_length + 1} tokens"
+                )
+            self.sources.append(
+                SampledSource(
+                    name=name,
+                    cells=cells,
+                    block_sequences=count,
+                    draw_offset=_draws_before(phases[:index], name, self.batch_size, self.block_size),
+                    stream=stream,
+                    num_windows=_windows_drawn(plan, name, stream),
+                    key=derive_key(self.seed, "source", name),
+                    subset_key=derive_key(self.seed, "slice", name),
+                    block_shuffle=block_shuffle,
+                )
+            )
+            _check_tokens(source, stream, plan)
+        self.eos_id = next(iter(eos_ids))
+        self.block_shuffle = block_shuffle
+        # All sources' streams end to end, so that a batch is gathered (and announced) in one pass over
+        # the shards rather than one per source: source i's window w starts at _base[i] + w x L.
+        self._stream = WindowStream(
+            [cell for src in self.sources for cell in opened_cells[src.name]], self.sequence_length
+        )
+        self._base = np.cumsum([0, *(src.stream.num_tokens for src in self.sources[:-1])]).astype(np.int64)
+        # Slots [bounds[i], bounds[i + 1]) of every block belong to self.sources[i].
+        self._bounds = np.cumsum([0, *(s.block_sequences for s in self.sources)])
+        # Per source, indexed by the source of each row.
+        self._per_block = np.array([s.block_sequences for s in self.sources], dtype=np.int64)
+        self._offsets = np.array([s.draw_offset for s in self.sources], dtype=np.int64)
+        self._windows = np.array([s.num_windows for s in self.sources], dtype=np.int64)
+        self._full_windows = np.array([s.stream.num_windows for s in self.sources], dtype=np.int64)
+        self._keys = np.array([s.key for s in self.sources], dtype=np.uint64)
+        self._subset_keys = np.array([s.subset_key for s in self.sources], dtype=np.uint64)
+        self._phase_key = derive_key(self.seed, "phase", phase)
+        row_tokens = len(self.rows) * (self.sequence_length + 1)
+        self.readahead_batches = (
+            min(READAHEAD_MAX_BATCHES, -(-readahead_tokens // row_tokens))
+            if readahead_tokens > 0 and row_tokens
+            else 0
+        )
+        # Draws of the steps announced ahead, kept for when they are asked for (they are pure, so a cache).
+        self._ahead: dict[int, Draws] = {}
+        self._announced = -1
+        self.prefetch_batches = max(0, int(prefetch_batches))
+        self._pending: dict[int, Future[Batch]] = {}
+        self._assembler: ThreadPoolExecutor | None = None
+
+    def __repr__(self) -> str:
+        mix = ", ".join(f"{s.name} {s.block_sequences}/{self.block_size}" for s in self.sources)
+        return (
+            f"MixtureSource(phase {self.phase_name}, {self.batch_size} x {self.sequence_length + 1}, rows "
+            f"{self.rows.start}..{self.rows.stop - 1}, blocks of {self.block_size}: {mix})"
+        )
+
+    def draws(self, step: int) -> Draws:
+        """Which source, draw and window fill each of this process's rows of batch `step`."""
+        if step < 0:
+            raise ValueError(f"step {step} is negative; steps count from the phase's start")
+        rows = np.arange(self.rows.start, self.rows.stop, dtype=np.int64)
+        sequence = step * self.batch_size + rows
+        block, position = sequence // self.block_size, sequence % self.block_size
+        block_keys = mix64(np.uint64(self._phase_key) ^ mix64(block.astype(np.uint64)))
+        slot = permute(position, self.block_size, block_keys)
+        source = np.searchsorted(self._bounds, slot, side="right") - 1
+        rank = slot - self._bounds[source]
+        draw = self._offsets[source] + block * self._per_block[source] + rank
+        sizes = self._windows[source]
+        epoch = draw // sizes
+        if self.block_shuffle is None:
+            # Every source at once: permute() takes a (size, key) per element. The same windows as
+            # SampledSource.windows, which the block shuffle goes through.
+            keys = mix64(self._keys[source] ^ mix64(epoch.astype(np.uint64)))
+            window = permute(draw - epoch * sizes, sizes, keys)
+            sliced = np.flatnonzero(self._full_windows[source] > sizes)
+            if sliced.size:
+                chosen = source[sliced]
+                window[sliced] = permute(
+                    window[sliced], self._full_windows[chosen], self._subset_keys[chosen]
+                )
+        else:
+            window = np.empty_like(draw)
+            for i, src in enumerate(self.sources):
+                sel = np.flatnonzero(source == i)
+                if sel.size:
+                    window[sel] = src.windows(draw[sel])
+        return Draws(rows=rows, source=source, draw=draw, epoch=epoch, window=window)
+
+    def batch(self, step: int) -> Batch:
+        """This process's rows of batch `step` (0-based within the phase): tokens and segment ids, int32."""
+        where = self._ahead.pop(step, None) or self.draws(step)
+        pending = self._pending.pop(step, None)
+        # After a jump (a resume, steps out of order) what was assembled ahead is not wanted.
+        for other in [s for s in self._pending if pending is None or s < step]:
+            del self._pending[other]
+        self._read_ahead(step, where)
+        self._prefetch(step)
+        return pending.result() if pending is not None else self.assemble(where)
+
+    def assemble(self, where: Draws) -> Batch:
+        """The batch of these draws: windows gathered from the shards, segment ids from end-of-text."""
+        tokens = np.empty((len(where.rows), self.sequence_length + 1), dtype=np.int32)
+        self._stream.gather_at(self._begin(where), tokens, np.arange(len(where.rows)))
+        return Batch(tokens=tokens, segment_ids=segment_ids(tokens, self.eos_id))
+
+    def _begin(self, where: Draws) -> np.ndarray:
+        return self._base[where.source] + where.window * self.sequence_length
+
+    def close(self) -> None:
+        """Stop the helper thread (it also stops when the source is garbage-collected)."""
+        self._pending.clear()
+        if self._assembler is not None:
+            self._assembler.shutdown(wait=True)
+            self._assembler = None
+
+    def _draws_ahead(self, step: int) -> Draws:
+        if step not in self._ahead:
+            self._ahead[step] = self.draws(step)
+        return self._ahead[step]
+
+    def _prefetch(self, step: int) -> None:
+        """Assemble the next prefetch_batches batches on a helper thread, while the caller trains on this one.
+
+        Only the copying runs there (numpy releases the GIL in its copy loops, and page faults wait there
+        rather than here); draws are computed on the caller's thread, so the helper only reads shared data.
+        """
+        if not self.prefetch_batches:
+            return
+        if self._assembler is None:
+            self._assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-assemble")
+        for ahead in range(step + 1, step + 1 + self.prefetch_batches):
+            if ahead not in self._pending:
+                self._pending[ahead] = self._assembler.submit(self.assemble, self._draws_ahead(ahead))
+
+    def _advise(self, where: Draws) -> None:
+        advise(self._stream.byte_ranges_at(self._begin(where)))
+
+    def _read_ahead(self, step: int, where: Draws) -> None:
+        """Announce the windows of the next readahead_batches steps, each once, so their reads overlap."""
+        for old in [s for s in self._ahead if s < step]:
+            del self._ahead[old]
+        if not self.readahead_batches:
+            return
+        if not step <= self._announced <= step + self.readahead_batches:
+            # A first call, a resume or a jump: start over from this step.
+            self._ahead.clear()
+            self._advise(where)
+            self._announced = step
+        while self._announced < step + self.readahead_batches:
+            self._announced += 1
+            self._advise(self._draws_ahead(self._announced))
+
+
+def advise(ranges: list[tuple[str, list[int], list[int]]]) -> int:
+    """Ask the kernel to start reading these byte ranges into the page cache (posix_fadvise WILLNEED).
+
+    Returns the number of ranges announced. It does not wait for the reads (though it can wait for room
+    in the disk's queue). Errors are ignored: it is only a hint, and gather() reads the pages either way.
+    (Announcing from a helper thread was tried: on a busy machine the thread's turns came late and the
+    reads later still, so the caller announces.)
+    """
+    announced = 0
+    for path, starts, stops in ranges:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            for start, stop in zip(starts, stops, strict=True):
+                os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_WILLNEED)
+                announced += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return announced
+
+
+def _block_sequences(phase: dict[str, Any], block_size: int) -> list[int]:
+    """Each source's sequences per block: the plan's, or (older plans) its weights by largest remainder."""
+    sources = phase.get("sources") or []
+    if not sources:
+        raise ValueError(f"phase {phase.get('name')} has no sources")
+    if all("block_sequences" in s for s in sources):
+        counts = [int(s["block_sequences"]) for s in sources]
+    else:
+        from tokenmill.mixtures.plan import block_counts
+
+        counts = block_counts([float(s["weight"]) for s in sources], block_size)
+    if sum(counts) != block_size or min(counts) < 0:
+        raise ValueError(
+            f"phase {phase.get('name')}: block_sequences {counts} do not sum to the block size {block_size}"
+        )
+    return counts
+
+
+def _draws_before(phases: list[dict[str, Any]], name: str, batch_size: int, block_size: int) -> int:
+    """How many windows the earlier phases draw from source `name`: this phase's draws continue from there."""
+    total = 0
+    for phase in phases:
+        blocks = phase.get("blocks")
+        if blocks is None:
+            blocks = int(phase["steps"]) * batch_size // block_size
+        counts = _block_sequences(phase, block_size)
+        for source, count in zip(phase["sources"], counts, strict=True):
+            if source["name"] == name:
+                total += int(blocks) * count
+    return total
+
+
+def _windows_drawn(plan: dict[str, Any], name: str, stream: WindowStream) -> int:
+    """All the stream's windows, or in a slice of a bigger run the fixed share the plan gives the source."""
+    if not plan.get("slice"):
+        return stream.num_windows
+    total = (plan.get("sources") or {}).get(name) or {}
+    full, available = total.get("tokens_available_full"), total.get("tokens_available")
+    if full and available is not None:
+        share = Fraction(int(available), int(full))
+    else:
+        share = Fraction(str(plan["slice"]["fraction"]))
+    return max(1, min(stream.num_windows, int(stream.num_windows * share)))
+
+
+def _check_tokens(source: dict[str, Any], stream: WindowStream, plan: dict[str, Any]) -> None:
+    """Warn when the plan counted other tokens than the shards hold: its epochs are then not what is drawn."""
+    planned = source.get("tokens_available")
+    if plan.get("slice"):
+        planned = ((plan.get("sources") or {}).get(source["name"]) or {}).get(
+            "tokens_available_full", planned
+        )
+    if planned is not None and int(planned) != stream.num_tokens:
+        log.warning(
+            "source %s: the plan counts %d tokens available, the shards hold %d; its epochs will differ "
+            "from the plan's (re-plan against this counts.json)",
+            source["name"],
+            int(planned),
+            stream.num_tokens,
+        )
