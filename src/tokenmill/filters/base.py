@@ -35,6 +35,16 @@ class DocumentStep(ABC):
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         """Judge each document (annotating it in place if the step adds columns)."""
 
+    def drain_stats(self) -> dict:
+        """Numbers this step counted since the last call (nested dicts of numbers, summed across workers
+        into stats.json under `stages.<stage>`), then forgotten. Most steps count nothing beyond removals."""
+        return {}
+
+    def drain_stage_stats(self) -> dict[str, dict]:
+        """`drain_stats()` keyed by stage name (steps that run other steps key each inner stage)."""
+        stats = self.drain_stats()
+        return {self.stage: stats} if stats else {}
+
 
 class DomainChains(DocumentStep):
     """Each domain's own chain of steps: documents go through the chain of their `domain` (set by the
@@ -63,6 +73,15 @@ class DomainChains(DocumentStep):
             for step in chain:
                 step.setup()
 
+    def drain_stage_stats(self) -> dict[str, dict]:
+        drained: dict[str, dict] = {}
+        for chain in self.chains.values():
+            for step in chain:
+                for stage, numbers in step.drain_stage_stats().items():
+                    drained.setdefault(stage, []).append(numbers)
+        # A stage in several chains reports once, its numbers summed.
+        return {stage: sum_numbers(parts) for stage, parts in drained.items()}
+
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         verdicts: list[Removal | None] = [None] * len(documents)
         by_chain: dict[str, list[int]] = {}
@@ -78,3 +97,15 @@ class DomainChains(DocumentStep):
                     if removal is not None:
                         verdicts[index] = Removal(removal.reason, removal.detail, removal.stage or step.stage)
         return verdicts
+
+
+def sum_numbers(parts: list[dict]) -> dict:
+    total: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = (
+                sum_numbers([total.get(key, {}), value])
+                if isinstance(value, dict)
+                else (total.get(key, 0) + value)
+            )
+    return total

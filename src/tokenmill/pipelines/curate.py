@@ -33,7 +33,7 @@ import apache_beam as beam
 from tokenmill import storage
 from tokenmill.cells import cell_name
 from tokenmill.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
-from tokenmill.filters.base import DocumentStep
+from tokenmill.filters.base import DocumentStep, sum_numbers
 from tokenmill.pipelines.readers import InputFields, read_file
 from tokenmill.pipelines.recipe import GroupingStep, Recipe, build_steps
 from tokenmill.pipelines.sinks import WritePartitioned, write_jsonl_zst, write_parquet
@@ -132,6 +132,8 @@ class ApplyStep(beam.DoFn):
                 },
             )
         self.kept_counter.inc(len(kept))
+        for stage, numbers in self.step.drain_stage_stats().items():
+            yield beam.pvalue.TaggedOutput("stats", (stage, numbers))
         if kept:
             yield kept
 
@@ -287,15 +289,8 @@ def build_stats(entries: list, run: CurateRun) -> dict:
 
 
 def merge_numbers(values: Iterable[dict]) -> dict:
-    """Sum dicts of numbers (nested dicts summed key by key): how stage statistics combine."""
-    total: dict = {}
-    for value in values:
-        for key, number in value.items():
-            if isinstance(number, dict):
-                total[key] = merge_numbers([total.get(key, {}), number])
-            else:
-                total[key] = total.get(key, 0) + number
-    return total
+    """Sum dicts of numbers (nested dicts key by key): how stage statistics combine across workers."""
+    return sum_numbers(list(values))
 
 
 def _add(total: list[int], counts) -> None:
@@ -347,9 +342,10 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
             )
             continue
         result = batches | f"Step{position}_{step.stage}" >> beam.ParDo(ApplyStep(step)).with_outputs(
-            "removed", main="kept"
+            "removed", "stats", main="kept"
         )
         removed_parts.append(result.removed)
+        stage_stats_parts.append(result.stats)
         batches = result.kept
 
     cell = recipe.default_cell

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tokenmill.filters.base import DocumentStep, DomainChains
 from tokenmill.filters.classifiers import ClassifierError, DomainClassifier, QualityClassifier
 from tokenmill.filters.code import CodeQuality
+from tokenmill.filters.decontam import Decontaminate
 from tokenmill.filters.heuristics import FILTER_CLASSES, HeuristicFilter, datatrove_filter_class
 from tokenmill.filters.language import LanguageFilter
 from tokenmill.filters.normalize import Normalize
@@ -61,11 +62,13 @@ DOCUMENT_STAGES: dict[str, Callable[..., DocumentStep]] = {
     "code_quality": CodeQuality,
     "domain_classifier": DomainClassifier,
     "quality_classifier": QualityClassifier,
+    "decontam": Decontaminate,
 }
 #: Stages that compare documents across inputs: kind -> "module:PTransform" (imported when used, so that
 #: recipes load without Beam's start-up cost where only the per-document stages are needed).
 GROUPING_STAGES: dict[str, str] = {
     "exact_dedupe": "tokenmill.pipelines.curate:ExactDedupe",
+    "fuzzy_dedupe": "tokenmill.pipelines.fuzzy_dedupe:FuzzyDedupe",
 }
 #: `by_domain: {<domain>: [stages...], default: [stages...]}` gives each domain its own chain of
 #: per-document stages (after `domain_classifier`); see tokenmill.filters.base.DomainChains.

@@ -328,6 +328,16 @@ def build_overview(
     }
 
 
+def _contamination(stats: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Documents matched per evaluation set by the decontam stage (stats.json: stages.decontam)."""
+    decontam = ((stats or {}).get("stages") or {}).get("decontam") or {}
+    checked = int(decontam.get("documents", 0))
+    return [
+        {"eval_set": name, "documents": int(entry.get("documents", 0)), "checked": checked}
+        for name, entry in sorted((decontam.get("eval_sets") or {}).items())
+    ]
+
+
 def build_funnel(
     stats: dict[str, Any] | None,
     removed: dict[str, Any],
@@ -427,6 +437,7 @@ def build_funnel(
         "chart": chart,
         "reasons": reasons,
         "rejected": rejected_rows,
+        "contamination": _contamination(stats),
         "totals": totals,
         "balanced": None if stats is None else bool(stats.get("balanced")),
         "sources": sources,
