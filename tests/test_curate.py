@@ -110,6 +110,8 @@ def test_sample_accounting_balances_and_matches_the_files(sample_run):
     for kind in ("spam", "boilerplate", "language_de", "language_fr", "language_es", "exact_duplicate"):
         assert kinds[kind] > 0, kind
     assert stats["sources"]["web-002.jsonl"]["rejected"] == 3
+    for counts in stats["sources"].values():
+        assert counts["read"] == counts["kept"] + counts["removed"] + counts["rejected"]
 
 
 def test_curated_layout_and_schema(sample_run):

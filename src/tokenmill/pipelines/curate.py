@@ -248,6 +248,7 @@ def build_stats(entries: list, run: CurateRun) -> dict:
         else:
             rejected_by_error[detail] += counts[0]
             sources[source]["rejected"] += counts[0]
+            sources[source]["read"] += counts[0]  # read, then found not to be a document
     rejected_total = sum(rejected_by_error.values())
     # Documents are counted as the reader emits them, apart from where they end up; a rejected record
     # never becomes a document, so it counts once, as read and as rejected.

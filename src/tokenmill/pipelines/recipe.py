@@ -44,6 +44,7 @@ from tokenmill.filters.decontam import Decontaminate
 from tokenmill.filters.heuristics import FILTER_CLASSES, HeuristicFilter, datatrove_filter_class
 from tokenmill.filters.language import LanguageFilter
 from tokenmill.filters.normalize import Normalize
+from tokenmill.filters.url_filter import UrlFilter
 from tokenmill.pipelines.readers import InputFields
 from tokenmill.units import parse_count
 
@@ -63,6 +64,7 @@ DOCUMENT_STAGES: dict[str, Callable[..., DocumentStep]] = {
     "domain_classifier": DomainClassifier,
     "quality_classifier": QualityClassifier,
     "decontam": Decontaminate,
+    "url_filter": UrlFilter,
 }
 #: Stages that compare documents across inputs: kind -> "module:PTransform" (imported when used, so that
 #: recipes load without Beam's start-up cost where only the per-document stages are needed).
