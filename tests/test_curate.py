@@ -100,6 +100,7 @@ def test_sample_accounting_balances_and_matches_the_files(sample_run):
         "normalize",
         "language",
         "exact_dedupe",
+        "fuzzy_dedupe",
         "gopher_repetition",
         "gopher_quality",
         "fineweb_quality",

@@ -1,0 +1,433 @@
+"""Fuzzy dedupe: MinHash math (seeded, vectorized, exact against brute force), LSH + connected components
+in Beam (planted duplicates, chains, convergence), edge-case documents, and determinism through curate."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import apache_beam as beam
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+from conftest import tree_bytes
+
+from tokenmill.cli import main
+from tokenmill.filters.minhash import (
+    MinHasher,
+    collision_probability,
+    containment,
+    estimated_jaccard,
+    jaccard,
+    words,
+)
+from tokenmill.pipelines.fuzzy_dedupe import (
+    ComponentsNotConverged,
+    ConnectedComponents,
+    FuzzyDedupe,
+    _StatsCombine,
+    size_bucket,
+)
+from tokenmill.pipelines.recipe import RecipeError, build_steps, load_recipe
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def vocabulary(rng: random.Random, size: int = 4000) -> list[str]:
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return sorted({"".join(rng.choice(letters) for _ in range(rng.randint(3, 10))) for _ in range(size)})
+
+
+def prose(rng: random.Random, vocab: list[str], count: int) -> list[str]:
+    return [rng.choice(vocab) for _ in range(count)]
+
+
+def edit(rng: random.Random, text_words: list[str], fraction: float) -> list[str]:
+    """Substitute, delete or insert words at `fraction` of the positions (the sample corpus's edits)."""
+    edited = list(text_words)
+    for _ in range(max(1, int(len(edited) * fraction))):
+        position = rng.randrange(len(edited))
+        roll = rng.random()
+        if roll < 0.4:
+            edited[position] = "edited"
+        elif roll < 0.7:
+            del edited[position]
+        else:
+            edited.insert(position, "inserted")
+    return edited
+
+
+class _Dump(beam.DoFn):
+    def __init__(self, path: str):
+        self.path = path
+
+    def process(self, items):
+        Path(self.path).write_text(json.dumps(items, sort_keys=True, default=str))
+
+
+def run_stages(
+    documents: list[dict] | list[list[dict]], tmp_path: Path, *param_sets: dict
+) -> list[tuple[dict, dict, dict]]:
+    """FuzzyDedupe with each parameter set (on the same documents, or on one list of documents each),
+    side by side in one pipeline on the local runner, one worker: (kept by id, removed by id, stats)."""
+    options = PipelineOptions(
+        ["--direct_num_workers=1", "--direct_running_mode=in_memory"], pipeline_type_check=True
+    )
+    per_set = documents if documents and isinstance(documents[0], list) else [documents] * len(param_sets)
+    with beam.Pipeline(runner=FnApiRunner(), options=options) as pipeline:
+        for index, params in enumerate(param_sets):
+            created = pipeline | f"Create{index}" >> beam.Create(per_set[index])
+            result = created | f"Dedupe{index}" >> FuzzyDedupe(**{"max_rounds": 4, **params})
+            for name in ("kept", "removed", "stats"):
+                (
+                    result[name]
+                    | f"List{name}{index}" >> beam.combiners.ToList()
+                    | f"Dump{name}{index}" >> beam.ParDo(_Dump(str(tmp_path / f"{name}-{index}.json")))
+                )
+    results = []
+    for index in range(len(param_sets)):
+        kept, removed, stats = (
+            json.loads((tmp_path / f"{name}-{index}.json").read_text())
+            for name in ("kept", "removed", "stats")
+        )
+        assert len(stats) == 1 and stats[0][0] == "fuzzy_dedupe"
+        results.append(({d["id"]: d for d in kept}, {d["id"]: d for d in removed}, stats[0][1]))
+    return results
+
+
+def run_stage(documents: list[dict], tmp_path: Path, **params) -> tuple[dict, dict, dict]:
+    return run_stages(documents, tmp_path, params)[0]
+
+
+def run_components(
+    edges: list[tuple[str, str]], tmp_path: Path, max_rounds: int, policy: str
+) -> tuple[dict, dict]:
+    options = PipelineOptions(["--direct_num_workers=1", "--direct_running_mode=in_memory"])
+    with beam.Pipeline(runner=FnApiRunner(), options=options) as pipeline:
+        result = pipeline | beam.Create(edges) | ConnectedComponents(max_rounds, policy)
+        (
+            result["labels"]
+            | "ListLabels" >> beam.combiners.ToList()
+            | "DumpLabels" >> beam.ParDo(_Dump(str(tmp_path / "labels.json")))
+        )
+        (
+            result["stats"]
+            | "SumStats" >> beam.CombineGlobally(_StatsCombine())
+            | "DumpStats" >> beam.ParDo(_Dump(str(tmp_path / "cc-stats.json")))
+        )
+    labels = {node: tuple(label) for node, label in json.loads((tmp_path / "labels.json").read_text())}
+    return labels, json.loads((tmp_path / "cc-stats.json").read_text())
+
+
+def shingle_jaccard(hasher: MinHasher, a: str, b: str) -> float:
+    return jaccard(hasher.shingles(a), hasher.shingles(b))
+
+
+# ------------------------------------------------------------------------------------------ minhash math
+
+
+def test_signature_matches_brute_force_and_is_seeded():
+    hasher = MinHasher(ngram=5, bands=14, rows=8, seed=7)
+    text = "The quick brown fox jumps over the lazy dog, and then the dog sleeps in the afternoon sun."
+    shingles = hasher.shingle_batch([text])[0]
+    brute = [
+        min((int(a) * int(x) + int(b)) % 2**64 for x in shingles) >> 32 for a, b in zip(hasher.a, hasher.b)
+    ]
+    signature = hasher.signatures([text])[0][0]
+    assert signature.dtype == np.uint32 and signature.tolist() == brute
+    # The seed alone fixes the permutations: a new hasher (another worker, another run) agrees.
+    assert np.array_equal(MinHasher(seed=7).signatures([text])[0], hasher.signatures([text])[0])
+    assert not np.array_equal(MinHasher(seed=8).signatures([text])[0], hasher.signatures([text])[0])
+    assert np.all(hasher.a & np.uint64(1) == 1)  # odd multipliers: every permutation is a bijection
+
+
+def test_batches_blocks_and_documents_do_not_interact():
+    rng = random.Random(1)
+    vocab = vocabulary(rng)
+    texts = [" ".join(prose(rng, vocab, rng.randint(0, 60))) for _ in range(300)] + ["", "one", "two words"]
+    hasher = MinHasher()
+    batch, present = hasher.signatures(texts)
+    for text, signature, has in zip(texts, batch, present, strict=True):
+        alone, alone_present = hasher.signatures([text])
+        assert has == alone_present[0] and np.array_equal(signature, alone[0])
+    # A long document spans many blocks of the product: its signature is the minimum over all of them.
+    long_text = " ".join(prose(rng, vocab, 30_000))
+    shingles, offsets = hasher.shingle_batch([long_text])
+    half = len(shingles) // 2
+    first = hasher.signatures_from_shingles(shingles[:half], np.array([0, half]))[0]
+    second = hasher.signatures_from_shingles(shingles[half:], np.array([0, len(shingles) - half]))[0]
+    assert np.array_equal(hasher.signatures([long_text])[0], np.minimum(first, second))
+
+
+def test_estimated_jaccard_is_unbiased():
+    rng = random.Random(2)
+    vocab = vocabulary(rng)
+    hasher = MinHasher()
+    errors = []
+    for _ in range(150):
+        base = prose(rng, vocab, 300)
+        a, b = " ".join(base), " ".join(edit(rng, base, rng.uniform(0.0, 0.1)))
+        signatures, _ = hasher.signatures([a, b])
+        errors.append(estimated_jaccard(signatures[0], signatures[1]) - shingle_jaccard(hasher, a, b))
+    assert abs(float(np.mean(errors))) < 0.01
+    assert float(np.std(errors)) < 0.06  # sqrt(J(1-J)/112) is at most 0.047
+
+
+def test_words_lowercase_and_split_on_anything_but_letters_and_digits():
+    assert words("Hello, World! It's 2024_x") == ["hello", "world", "it", "s", "2024", "x"]
+    assert words("Ünïcode “quotes” — and naïve café…") == ["ünïcode", "quotes", "and", "naïve", "café"]
+    hasher = MinHasher(ngram=2)
+    # Punctuation and case do not change shingles: the hashes are those of the bare words.
+    for text in ("Hello, World! It's 2024_x", "Ünïcode “quotes” — and naïve café… 日本語のテキスト 😀 x"):
+        assert np.array_equal(hasher.shingles(text), hasher.shingles(" ".join(words(text))))
+    assert len(hasher.shingles("a b c a b c")) == 3  # {ab, bc, ca}
+    # Word hashes: words of more than 8 bytes, and words that differ only past byte 8, stay apart.
+    assert len(MinHasher(ngram=1).shingles("internationalization internationalizatiom internat")) == 3
+
+
+def test_empty_one_word_and_short_documents():
+    hasher = MinHasher(ngram=5)
+    shingles, offsets = hasher.shingle_batch(["", "  ...  ", "word", "two words", "a b c d e f"])
+    assert np.diff(offsets).tolist() == [0, 0, 1, 1, 2]
+    signatures, present = hasher.signatures(["", "word"])
+    assert present.tolist() == [False, True]
+    # A document shorter than n words is one shingle of all its words: equal words, equal signature.
+    assert np.array_equal(hasher.signatures(["Word."])[0], hasher.signatures(["word"])[0])
+    assert not np.array_equal(hasher.signatures(["word"])[0], hasher.signatures(["words"])[0])
+
+
+def test_similarity_helpers_and_lsh_curve():
+    a = np.array([1, 2, 3, 4], np.uint64)
+    b = np.array([3, 4, 5, 6, 7, 8], np.uint64)
+    assert jaccard(a, b) == pytest.approx(2 / 8)
+    assert containment(a, b) == pytest.approx(0.5) and containment(b, a) == pytest.approx(2 / 6)
+    assert collision_probability(0.685, 14, 8) == pytest.approx(0.5, abs=0.01)
+    assert collision_probability(0.9, 14, 8) > 0.99 and collision_probability(0.3, 14, 8) < 0.001
+    assert [size_bucket(size) for size in (2, 3, 4, 5, 8, 9, 100)] == [
+        "2",
+        "3",
+        "4",
+        "5-8",
+        "5-8",
+        "9-16",
+        "65-128",
+    ]
+
+
+# ------------------------------------------------------------------------------------- the Beam stage
+
+
+def test_planted_near_duplicates_are_found_and_distinct_documents_kept(tmp_path):
+    rng = random.Random(3)
+    vocab = vocabulary(rng)
+    documents, planted = [], {}
+    for number in range(60):
+        base = prose(rng, vocab, rng.randint(120, 400))
+        documents.append({"id": f"a{number:03d}", "text": " ".join(base), "n_chars": None})
+        for copy in range(number % 3):  # 0, 1 or 2 near copies, 0.5-1.5% of words edited
+            copy_id = f"b{number:03d}-{copy}"
+            documents.append({"id": copy_id, "text": " ".join(edit(rng, base, rng.uniform(0.005, 0.015)))})
+            planted[copy_id] = f"a{number:03d}"
+    # Light edits: every copy is above Jaccard 0.85, where LSH finds a pair with 99% probability (and
+    # with these seeds, always). How recall falls with heavier edits is measured in bench/dedupe.py.
+    texts = {d["id"]: d["text"] for d in documents}
+    hasher = MinHasher()
+    assert min(shingle_jaccard(hasher, texts[c], texts[o]) for c, o in planted.items()) > 0.85
+    kept, removed, stats = run_stage(documents, tmp_path)
+    assert set(removed) == set(planted)
+    assert set(kept) == {d["id"] for d in documents} - set(planted)
+    for identifier, original in planted.items():
+        row = removed[identifier]
+        detail = json.loads(row["detail"])
+        assert (row["stage"], row["reason"]) == ("fuzzy_dedupe", "near_duplicate")
+        assert detail["kept_id"] == row["dup_cluster"] == original and detail["containment"] >= 0.7
+        assert kept[original]["dup_cluster"] == original
+    assert all(
+        document.get("dup_cluster") is None
+        for identifier, document in kept.items()
+        if identifier not in set(planted.values())
+    )
+    assert stats["documents"] == len(documents) and stats["converged"] == 1
+    assert stats["components"] == 40 and stats["removed_documents"] == len(planted) == 60
+    assert stats["component_sizes"] == {"2": 20, "3": 20}
+    assert stats["documents_in_components"] == 100 and stats["largest_component"] == 3
+    # Star edges, each member to its bucket's smallest id: every copy to its original, and some copies
+    # to each other in buckets that their original is not in.
+    assert 60 <= stats["candidate_pairs"] <= 80
+    assert stats["removed_characters"] == sum(len(removed[i]["text"]) for i in planted)
+
+
+def chain_documents(length: int = 10, window: int = 300, shift: int = 20) -> list[dict]:
+    """Windows sliding over one long text: each overlaps the next by far, and the tenth not the first."""
+    rng = random.Random(4)
+    text = prose(rng, vocabulary(rng), window + shift * length)
+    return [
+        {"id": f"c{index:02d}", "text": " ".join(text[index * shift : index * shift + window])}
+        for index in range(length)
+    ]
+
+
+def test_transitive_chains_without_and_with_verification(tmp_path):
+    documents = chain_documents()
+    hasher = MinHasher()
+    assert shingle_jaccard(hasher, documents[0]["text"], documents[9]["text"]) < 0.3  # A~B~...~J, not A~J
+    plain, verified, strict = run_stages(
+        documents,
+        tmp_path,
+        {"verify": "none"},
+        {"verify": "containment", "threshold": 0.7},
+        {"verify": "jaccard", "threshold": 0.7},
+    )
+    # Without verification the chain is one component: only its smallest id is kept.
+    kept, removed, stats = plain
+    assert set(kept) == {"c00"} and len(removed) == 9
+    assert {json.loads(row["detail"])["kept_id"] for row in removed.values()} == {"c00"}
+    assert stats["components"] == 1 and stats["component_sizes"] == {"9-16": 1}
+    # With containment verification a member goes only if enough of it is in c00: the far end stays,
+    # still marked as part of c00's component.
+    kept, removed, stats = verified
+    for row in removed.values():
+        assert containment(hasher.shingles(row["text"]), hasher.shingles(documents[0]["text"])) >= 0.7
+    # (containment in c00: 0.93, 0.87, 0.80, 0.73, then 0.66 for c05 and less further on)
+    assert set(removed) == {"c01", "c02", "c03", "c04"}
+    assert set(kept) == {"c00", "c05", "c06", "c07", "c08", "c09"}
+    assert all(row["dup_cluster"] == "c00" for row in [*kept.values(), *removed.values()])
+    assert stats["verification_kept"] == len(kept) - 1
+    # True Jaccard is stricter than containment for documents of equal length (0.87, 0.76, then 0.66).
+    _, removed_jaccard, _ = strict
+    assert set(removed_jaccard) == {"c01", "c02"}
+
+
+def test_connected_components_converge_to_the_smallest_id_or_fail_loudly(tmp_path):
+    rng = random.Random(5)
+    nodes = [f"n{value:06d}" for value in rng.sample(range(10**6), 48)]
+    path = list(zip(nodes, nodes[1:], strict=False))  # one long chain, ids in random order
+    triangle = [("x2", "x1"), ("x3", "x2"), ("x1", "x3"), ("x1", "x1")]  # a cycle and a self loop
+    labels, stats = run_components(path + triangle, tmp_path, max_rounds=8, policy="fail")
+    assert stats["converged"] == 1 and 0 < stats["rounds_that_changed_edges"] < 8
+    assert labels == {
+        **{node: (min(nodes), 48) for node in nodes},
+        **{x: ("x1", 3) for x in ("x1", "x2", "x3")},
+    }
+    assert stats["components"] == 2 and stats["component_sizes"] == {"3": 1, "33-64": 1}
+    # One round cannot flatten a 48-node chain: fail loudly, or keep the chained nodes unlabelled.
+    with pytest.raises(ComponentsNotConverged, match="did not converge in max_rounds=1"):
+        run_components(path, tmp_path, max_rounds=1, policy="fail")
+    labels, stats = run_components(path, tmp_path, max_rounds=1, policy="keep")
+    assert stats["converged"] == 0 and stats["unconverged_nodes"] > 0
+    assert len(labels) < len(nodes)  # chained nodes get no label, so they are never removed
+    assert all(root <= node for node, (root, _) in labels.items())
+
+
+def test_empty_one_word_and_very_long_documents_in_the_stage(tmp_path):
+    rng = random.Random(6)
+    vocab = vocabulary(rng)
+    long_words = prose(rng, vocab, 150_000)
+    documents = [
+        {"id": "e0", "text": ""},
+        {"id": "e1", "text": "?!"},
+        {"id": "w0", "text": "Hello!"},
+        {"id": "w1", "text": "hello"},  # the same single word: a near duplicate of w0
+        {"id": "w2", "text": "goodbye"},
+        {"id": "l0", "text": " ".join(long_words)},
+        {"id": "l1", "text": " ".join(edit(rng, long_words, 0.01))},
+    ]
+    (kept, removed, stats), nothing = run_stages([documents, []], tmp_path, {}, {})
+    assert set(kept) == {"e0", "e1", "w0", "w2", "l0"} and set(removed) == {"w1", "l1"}
+    assert stats["documents_without_words"] == 2
+    assert kept["e0"].get("dup_cluster") is None and kept["l0"]["dup_cluster"] == "l0"
+    # No documents at all (everything filtered earlier): nothing out, and the stats are still there.
+    kept, removed, stats = nothing
+    assert kept == {} and removed == {}
+    assert stats["documents"] == 0 and stats["components"] == 0 and stats["converged"] == 1
+
+
+def test_recipe_parameters_are_checked(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    for bad, message in (
+        ("{verify: maybe}", "verify must be one of"),
+        ("{bands: 0}", "bands must be"),
+        ("{threshold: 1.5}", "threshold must be"),
+        ("{on_unconverged: ignore}", "on_unconverged"),
+        ("{shingle_size: 5}", "shingle_size"),
+    ):
+        recipe.write_text(f"name: r\nstages:\n  - fuzzy_dedupe: {bad}\n")
+        with pytest.raises(RecipeError, match=rf"stages\[0\]: bad parameters for fuzzy_dedupe: .*{message}"):
+            load_recipe(recipe)
+    recipe.write_text("name: r\nstages:\n  - fuzzy_dedupe: {ngram: 3, bands: 20, rows: 5, verify: none}\n")
+    step = build_steps(load_recipe(recipe))[-1]
+    assert step.stage == "fuzzy_dedupe" and isinstance(step.transform, FuzzyDedupe)
+    assert step.transform.verify is None and (step.transform.bands, step.transform.rows) == (20, 5)
+
+
+# ------------------------------------------------------------------------------- through `tokenmill curate`
+
+
+def write_corpus(directory: Path) -> dict[str, str]:
+    """Two JSON Lines files with near duplicates planted across them; returns copy id -> original id."""
+    rng = random.Random(8)
+    vocab = vocabulary(rng)
+    files: list[list[dict]] = [[], []]
+    planted = {}
+    for number in range(80):
+        base = prose(rng, vocab, rng.randint(80, 200))
+        files[number % 2].append({"id": f"a{number:03d}", "text": " ".join(base)})
+        if number % 4 == 0:
+            files[(number + 1) % 2].append({"id": f"b{number:03d}", "text": " ".join(edit(rng, base, 0.01))})
+            planted[f"b{number:03d}"] = f"a{number:03d}"
+    directory.mkdir()
+    for index, records in enumerate(files):
+        (directory / f"part-{index}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return planted
+
+
+def curate(output: Path, inputs: Path, recipe: Path, workers: int) -> dict:
+    status = main(
+        [
+            "curate",
+            "--recipe",
+            str(recipe),
+            "--input",
+            str(inputs / "*.jsonl"),
+            "--output",
+            str(output),
+            "--workers",
+            str(workers),
+        ]
+    )
+    assert status == 0
+    return json.loads((output / "stats.json").read_text())
+
+
+def test_curate_accounts_for_fuzzy_dedupe_and_reruns_identically_whatever_the_worker_count(tmp_path):
+    planted = write_corpus(tmp_path / "in")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("name: fuzzy\nstages:\n  - exact_dedupe: {}\n  - fuzzy_dedupe: {max_rounds: 4}\n")
+    stats = curate(tmp_path / "one", tmp_path / "in", recipe, workers=1)
+    assert stats["balanced"] is True
+    stage = stats["stages"]["fuzzy_dedupe"]
+    by_reason = stats["removed_by_reason"]["fuzzy_dedupe/near_duplicate"]
+    assert by_reason["documents"] == stage["removed_documents"] == len(planted)
+    assert by_reason["characters"] == stage["removed_characters"]
+    assert stage["candidate_pairs"] == stage["components"] == len(planted) and stage["converged"] == 1
+    assert stage["component_sizes"] == {"2": len(planted)}
+    removed = pq.read_table(
+        tmp_path / "one" / "removed" / "stage=fuzzy_dedupe" / "reason=near_duplicate"
+    ).to_pylist()
+    assert {
+        row["id"].split(":")[1]: json.loads(row["detail"])["kept_id"].split(":")[1] for row in removed
+    } == planted
+    curated = [
+        row
+        for path in sorted((tmp_path / "one" / "curated").rglob("*.parquet"))
+        for row in pq.read_table(path).to_pylist()
+    ]
+    clusters = {row["id"].split(":")[1]: row["dup_cluster"] for row in curated if row["dup_cluster"]}
+    assert set(clusters) == set(planted.values())
+    # The same bytes on a rerun into the same folder, with two worker processes instead of one.
+    first = tree_bytes(tmp_path / "one")
+    curate(tmp_path / "one", tmp_path / "in", recipe, workers=2)
+    assert tree_bytes(tmp_path / "one") == first
