@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: install
-	$(BIN)/tokenmill curate --recipe configs/curate/web.yaml --input 'data/sample/*' --output out/demo/curate
+	TOKENMILL=$(BIN)/tokenmill PYTHON=$(BIN)/python bash scripts/demo.sh
 
 # Headless Chromium for the page tests (Debian packages; needs root or sudo on a fresh machine).
 browser:

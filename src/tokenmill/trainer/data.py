@@ -31,7 +31,8 @@ class Batch:
     def __post_init__(self) -> None:
         if self.tokens.shape != self.segment_ids.shape or self.tokens.ndim != 2:
             raise ValueError(
-                f"tokens {self.tokens.shape} and segment_ids {self.segment_ids.shape} must be equal 2-D shapes"
+                f"tokens {self.tokens.shape} and segment_ids {self.segment_ids.shape} "
+                "must be 2-D and of equal shape"
             )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tokenmill.trainer.moe import BATCH_AXES
@@ -52,17 +52,29 @@ def parse_mesh_shape(text: str | None, n_devices: int) -> tuple[int, int, int]:
         if n_devices % known:
             raise ValueError(f"mesh {text!r} does not divide {n_devices} devices")
         sizes[sizes.index(-1)] = n_devices // known
-    if int(np.prod(sizes)) != n_devices:
-        raise ValueError(f"mesh {text!r} has {int(np.prod(sizes))} devices, but {n_devices} are available")
+    if int(np.prod(sizes)) > n_devices:
+        raise ValueError(f"mesh {text!r} needs {int(np.prod(sizes))} devices, but {n_devices} are available")
     return tuple(sizes)  # type: ignore[return-value]
 
 
 def make_mesh(shape: tuple[int, int, int], devices: list | None = None) -> Mesh:
-    """A mesh over `devices` (default: all of them, every process's) with axes data, fsdp, expert."""
-    devices = devices if devices is not None else jax.devices()
-    if len(devices) == int(np.prod(shape)) and devices == jax.devices():
-        return jax.make_mesh(shape, AXES, devices=devices)
-    return Mesh(np.asarray(devices).reshape(shape), AXES)
+    """A mesh with axes data, fsdp, expert over `devices` (default: all of them, every process's; a smaller
+    mesh on one process takes the first devices, for comparing against fewer devices)."""
+    size = int(np.prod(shape))
+    if devices is None:
+        devices = jax.devices()
+        if size < len(devices):
+            if jax.process_count() > 1:
+                raise ValueError(
+                    f"a mesh of {size} devices must use all {len(devices)} devices of a multi-host job"
+                )
+            devices = devices[:size]
+    # Auto axes: shardings are given for parameters, state and batch, and pinned at a few activations;
+    # XLA's partitioner propagates the rest (Explicit axes would demand a sharding on every operation).
+    axis_types = (AxisType.Auto,) * len(AXES)
+    if list(devices) == jax.devices():
+        return jax.make_mesh(shape, AXES, axis_types=axis_types)
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=axis_types)
 
 
 def _fits(dim: int, mesh: Mesh, axes: str | tuple[str, ...]) -> bool:

@@ -1,0 +1,210 @@
+"""The training loop: the loss falls, resume is exact, phases continue, NaNs stop the run, bad data is
+refused, metrics have the documented keys, schedules span phases."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tokenmill.trainer.config import ModelConfig, MoEConfig
+from tokenmill.trainer.data import Batch, SyntheticSource, check_source, segments_from_eos
+from tokenmill.trainer.optim import Schedule, make_optimizer
+from tokenmill.trainer.train import Phase, TrainConfig, TrainingError, make_schedule, phases_from_plan, train
+
+METRIC_KEYS = {
+    "step", "phase", "loss", "lr", "tokens", "tokens_per_second", "flops", "mfu", "grad_norm", "param_norm",
+    "router_bias_norm", "expert_load", "drop_fraction", "time",
+}  # fmt: skip
+
+
+def tiny(**moe_overrides) -> ModelConfig:
+    moe_cfg = dict(n_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, bias_rate=0.01)
+    moe_cfg.update(moe_overrides)
+    return ModelConfig(
+        name="test", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, seq_len=32,
+        moe=MoEConfig(**moe_cfg),
+    )  # fmt: skip
+
+
+def config(tmp_path, **overrides) -> TrainConfig:
+    settings = dict(output=str(tmp_path / "run"), batch_size=4, lr=3e-3, warmup_steps=5, peak_flops=1e9,
+                    checkpoint_every=1000, async_checkpoints=True)  # fmt: skip
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def source(cfg: ModelConfig, batch_size: int = 4, seed: int = 0) -> SyntheticSource:
+    return SyntheticSource(cfg.vocab_size, cfg.seq_len, batch_size, seed, active_vocab=64)
+
+
+def test_loss_falls_quickly(tmp_path):
+    started = time.perf_counter()
+    model_cfg = tiny()
+    rows = train(model_cfg, config(tmp_path), source(model_cfg), [Phase("pretraining", 0, 60)])
+    assert len(rows) == 60
+    first, last = np.mean([r["loss"] for r in rows[:5]]), np.mean([r["loss"] for r in rows[-5:]])
+    assert first > 5.0 and last < first - 1.5, (first, last)
+    assert time.perf_counter() - started < 120
+    assert METRIC_KEYS <= set(rows[0])
+    written = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in written] == list(range(60))
+    row = written[-1]
+    assert row["tokens"] == 60 * 4 * 32 and row["flops"] > 0 and 0 < row["mfu"]
+    assert len(row["router_bias_norm"]) == 2 and len(row["expert_load"]) == 2
+    assert all(abs(sum(layer) - 1) < 1e-3 for layer in row["expert_load"])
+    assert 0 <= row["drop_fraction"] < 1
+    config_json = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config_json["model"]["d_model"] == 32 and config_json["schedule"]["total_steps"] == 60
+
+
+def test_resume_is_exact(tmp_path):
+    model_cfg = tiny()
+    phases = [Phase("pretraining", 0, 8)]
+    straight = train(model_cfg, config(tmp_path / "a"), source(model_cfg), phases)
+    # Four steps, then "killed" (the checkpoint at 4 is the last thing it wrote), then the same command again.
+    interrupted = config(tmp_path / "b", checkpoint_every=4, stop_after=4)
+    first = train(model_cfg, interrupted, source(model_cfg), phases)
+    second = train(model_cfg, config(tmp_path / "b", checkpoint_every=4), source(model_cfg), phases)
+    assert [r["step"] for r in first] == [0, 1, 2, 3] and [r["step"] for r in second] == [4, 5, 6, 7]
+    assert [r["loss"] for r in first + second] == [r["loss"] for r in straight]
+    assert [r["router_bias_norm"] for r in first + second] == [r["router_bias_norm"] for r in straight]
+    lines = (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(8))
+
+
+def test_midtraining_continues_from_pretraining_with_the_decay(tmp_path):
+    model_cfg = tiny()
+    plan = {"phases": [{"name": "pretraining", "start_step": 0, "end_step": 6},
+                       {"name": "midtraining", "start_step": 6, "end_step": 10}]}  # fmt: skip
+    phases = phases_from_plan(plan)
+    with pytest.raises(TrainingError, match="continues from the previous phase"):
+        train(model_cfg, config(tmp_path, phase="midtraining", warmup_steps=2), source(model_cfg), phases)
+    # Pretraining stops early (3 of its 6 steps); midtraining still starts at its own step 6.
+    pre = train(model_cfg, config(tmp_path, steps=3, warmup_steps=2), source(model_cfg), phases)
+    mid = train(
+        model_cfg, config(tmp_path, phase="midtraining", warmup_steps=2), source(model_cfg, seed=1), phases
+    )
+    assert [r["step"] for r in pre] == [0, 1, 2] and [r["step"] for r in mid] == [6, 7, 8, 9]
+    assert {r["phase"] for r in mid} == {"midtraining"}
+    assert mid[0]["tokens"] == 4 * (4 * 32)  # tokens actually trained: 3 steps of pretraining, then this one
+    lrs = [r["lr"] for r in mid]
+    assert lrs[0] == pytest.approx(3e-3) and all(a > b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert mid[0]["loss"] < pre[0]["loss"]  # it did start from the trained weights
+    config_json = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert set(config_json["phases"]) == {"pretraining", "midtraining"}
+
+
+def test_nan_loss_stops_and_names_the_last_good_checkpoint(tmp_path):
+    model_cfg = tiny()
+    cfg = config(tmp_path, lr=1e30, warmup_steps=0, checkpoint_every=1, clip_norm=1e30)
+    with pytest.raises(
+        TrainingError, match=r"at step \d+ .*Last good checkpoint: .*checkpoints/\d+"
+    ) as error:
+        train(model_cfg, cfg, source(model_cfg), [Phase("pretraining", 0, 20)])
+    assert "loss is" in str(error.value)
+
+
+def test_schedules_span_phases():
+    phases = [Phase("pretraining", 0, 80), Phase("midtraining", 80, 100)]
+    wsd = make_schedule(TrainConfig(output="x", lr=1.0, warmup_steps=10, min_lr_ratio=0.1), phases)
+    assert (wsd.total_steps, wsd.decay_steps) == (100, 20)
+    assert float(wsd(0)) == pytest.approx(0.1) and float(wsd(9)) == pytest.approx(1.0)
+    assert float(wsd(79)) == pytest.approx(1.0) and float(wsd(90)) == pytest.approx(0.55)
+    assert float(wsd(100)) == pytest.approx(0.1)
+    linear = Schedule("linear", 1.0, 110, 10, 0)
+    assert float(linear(10)) == pytest.approx(1.0) and float(linear(60)) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        Schedule("wsd", 1.0, 10, 8, 8)
+
+
+def test_synthetic_source_is_deterministic_and_sliced_by_process():
+    whole = SyntheticSource(1000, 64, 8, seed=3)
+    halves = [SyntheticSource(1000, 64, 8, seed=3, process_index=i, process_count=2) for i in range(2)]
+    batch = whole.batch(5)
+    assert batch.tokens.shape == (8, 65) and batch.tokens.dtype == np.int32
+    np.testing.assert_array_equal(batch.tokens, whole.batch(5).tokens)
+    np.testing.assert_array_equal(batch.tokens, np.concatenate([h.batch(5).tokens for h in halves]))
+    assert not np.array_equal(batch.tokens, whole.batch(6).tokens)
+    assert (batch.tokens == 0).any()  # documents end with end-of-text
+
+
+def test_segment_ids_split_after_end_of_text():
+    tokens = np.array([[5, 6, 0, 7, 0, 0, 8]])
+    np.testing.assert_array_equal(segments_from_eos(tokens, 0), [[0, 0, 0, 1, 1, 2, 3]])
+
+
+class _Shards:
+    def __init__(self, vocab_size: int, sha: str):
+        self.vocab_size, self.tokenizer_sha256 = vocab_size, sha
+
+    def batch(self, step: int) -> Batch:
+        raise AssertionError("not reached")
+
+
+def test_fail_fast_on_tokenizer_hash_and_vocabulary():
+    with pytest.raises(ValueError, match="tokenizer sha256 aaa.*names tokenizer sha256 bbb"):
+        check_source(_Shards(100, "aaa"), 256, "bbb")
+    with pytest.raises(ValueError, match=r"vocabulary \(300\) is larger than the model's vocab_size \(256\)"):
+        check_source(_Shards(300, "aaa"), 256, "aaa")
+    check_source(_Shards(256, "aaa"), 256, "aaa")
+
+
+def test_out_of_vocabulary_tokens_are_refused(tmp_path):
+    class Wide(SyntheticSource):
+        def batch(self, step: int) -> Batch:
+            b = super().batch(step)
+            return Batch(b.tokens + 300, b.segment_ids)
+
+    model_cfg = tiny()
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        train(model_cfg, config(tmp_path), Wide(256, 32, 4), [Phase("pretraining", 0, 2)])
+
+
+def test_muon_orthogonalises_matrices_and_leaves_the_rest_to_adam():
+    params = {
+        "embed": jnp.ones((16, 8)),
+        "w": jax.random.normal(jax.random.key(0), (8, 4)),
+        "experts": jax.random.normal(jax.random.key(1), (3, 8, 4)),
+        "norm": jnp.ones((8,)),
+    }
+    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(2), x.shape), params)
+    tx = make_optimizer(params, "muon", weight_decay=0.0, clip_norm=1e9)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
+    # Muon's update of a matrix has (near-)equal singular values; each expert's matrix on its own.
+    singular = jnp.linalg.svd(updates["w"], compute_uv=False)
+    assert float(singular.max() / singular.min()) < 2.0
+    for e in range(3):
+        s = jnp.linalg.svd(updates["experts"][e], compute_uv=False)
+        assert float(s.max() / s.min()) < 2.0
+
+
+def test_weights_and_biases_gets_the_metrics_when_installed(tmp_path, monkeypatch):
+    logged = []
+
+    class Run:
+        def log(self, row, step):
+            logged.append((step, row))
+
+        def finish(self):
+            logged.append("finished")
+
+    class FakeWandb:
+        @staticmethod
+        def init(**kwargs):
+            assert kwargs["project"] == "tokenmill-test" and kwargs["name"] == "run"
+            return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
+    model_cfg = tiny()
+    cfg = config(tmp_path, steps=2, wandb_project="tokenmill-test")
+    train(model_cfg, cfg, source(model_cfg), [Phase("pretraining", 0, 60)])  # the loss test's compile
+    assert [step for step, _ in logged[:2]] == [0, 1] and logged[-1] == "finished"
+    row = logged[0][1]
+    assert {"loss", "lr", "mfu", "router_bias_norm/layer0", "expert_load_max/layer1"} <= set(row)

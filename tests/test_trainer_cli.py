@@ -1,0 +1,143 @@
+"""`tokenmill train` from the command line: a run on real token shards through the mixture planner and the
+sampler, fail-fast checks, usage errors, and (slow) a real kill and rerun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenmill.cli import main
+from tokenmill.tokenize.shards import file_sha256
+from tokenmill.tokenize.tokenizer import TokenizerInfo
+from tokenmill.tokenize.writer import write_counts, write_manifest
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny.yaml")
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_tokens(root: Path, vocab_size: int, sha: str = "a" * 64) -> Path:
+    """Two cells of token shards (docs/formats.md) whose documents follow a learnable pattern."""
+    info = TokenizerInfo(name="test-bpe", sha256=sha, vocab_size=vocab_size, eos_id=0, eos_token="<eos>")
+    rng = np.random.default_rng(0)
+    summaries = []
+    for cell in ("domain=web/quality=3", "domain=code/quality=2"):
+        folder = root / cell
+        folder.mkdir(parents=True)
+        # Documents count upwards from a random start, so the next token is predictable.
+        docs = [(rng.integers(1, 200) + np.arange(rng.integers(5, 60))) % 250 + 1 for _ in range(300)]
+        ids = np.concatenate([np.append(d, 0) for d in docs]).astype("<u2")
+        ids.tofile(folder / "part-00000.bin")
+        np.cumsum([len(d) + 1 for d in docs]).astype("<u8").tofile(folder / "part-00000.idx")
+        marker = {
+            "name": "part-00000", "documents": len(docs), "tokens": len(ids),
+            "bin_sha256": file_sha256(str(folder / "part-00000.bin")),
+            "idx_sha256": file_sha256(str(folder / "part-00000.idx")),
+            "source_files": ["part-00000-of-00001.parquet"],
+        }  # fmt: skip
+        summaries.append(write_manifest(str(root), cell, [marker], info))
+    write_counts(str(root), summaries, info)
+    return root
+
+
+MIXTURE = """
+name: cli-test
+tokenizer: test-bpe
+counts: tokens/counts.json
+total_tokens: 20K
+sequence_length: 32
+batch_size: 8
+block_size: 8
+max_epochs: 10
+phases:
+  - name: pretraining
+    share: 0.8
+    weights: {domain=web/*: 0.7, domain=code/*: 0.3}
+  - name: midtraining
+    share: 0.2
+    weights: {domain=web/*: 0.3, domain=code/*: 0.7}
+"""
+
+
+def test_train_on_a_mixture_from_the_command_line(tmp_path, capsys):
+    write_tokens(tmp_path / "tokens", vocab_size=4096)
+    mixture = tmp_path / "mixture.yaml"
+    mixture.write_text(MIXTURE)
+    run = tmp_path / "run"
+    argv = ["train", "--mixture", str(mixture), "--model", TINY, "--output", str(run), "--peak-flops", "1e9"]
+    assert main([*argv, "--steps", "12", "--lr", "1e-2"]) == 0
+    assert "phase pretraining steps 0..11" in capsys.readouterr().out
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == list(range(12))
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    config = json.loads((run / "config.json").read_text())
+    assert config["plan"]["tokenizer_sha256"] == "a" * 64 and config["train"]["batch_size"] == 8
+    assert (run / "checkpoints" / "12").is_dir()
+    # Fail fast, before any compiling: shards from another tokenizer than the one asked for...
+    assert main([*argv, "--steps", "13", "--tokenizer-sha256", "b" * 64]) == 2
+    assert "tokenizer sha256" in capsys.readouterr().err
+    # ...and a tokenizer vocabulary larger than the model's (tiny.yaml: 8192).
+    write_tokens(tmp_path / "wide" / "tokens", vocab_size=10_000)
+    (tmp_path / "wide" / "mixture.yaml").write_text(MIXTURE)
+    wide = ["train", "--mixture", str(tmp_path / "wide" / "mixture.yaml"), "--model", TINY]
+    assert main([*wide, "--output", str(tmp_path / "run2"), "--steps", "2"]) == 2
+    assert "vocabulary (10000) is larger than the model's vocab_size (8192)" in capsys.readouterr().err
+
+
+def test_usage_errors(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", "--model", TINY, "--steps", "3", "--output", out]) == 2
+    assert "--mixture" in capsys.readouterr().err
+    assert (
+        main(
+            ["train", "--synthetic", "--model", str(tmp_path / "nope.yaml"), "--steps", "3", "--output", out]
+        )
+        == 2
+    )
+    assert "cannot read model config" in capsys.readouterr().err
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"sequence_length": 32, "batch_size": 4, "phases": [
+        {"name": "pretraining", "start_step": 0, "end_step": 4}]}))  # fmt: skip
+    args = ["train", "--synthetic", "--plan", str(plan), "--model", TINY, "--output", out]
+    assert main([*args, "--phase", "cooldown"]) == 2
+    assert "phase 'cooldown' is not in the plan" in capsys.readouterr().err
+    assert main([*args, "--seq-len", "4096"]) == 2
+    assert "longer than the model's seq_len" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_kill_and_rerun_matches_a_straight_run(tmp_path):
+    """SIGKILL a real training process mid-run (async checkpoint saves in flight), rerun the same command."""
+    cli = [sys.executable, "-c", "import sys; from tokenmill.cli import main; sys.exit(main())"]
+    common = [*cli, "train", "--synthetic", "--model", TINY, "--steps", "40"]
+    common += ["--seq-len", "32", "--batch-size", "4", "--peak-flops", "1e9", "--checkpoint-every", "5"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run([*common, "--output", str(straight)], env=env, check=True, capture_output=True)
+
+    process = subprocess.Popen([*common, "--output", str(killed)], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        lines = (
+            (killed / "metrics.jsonl").read_text().count("\n") if (killed / "metrics.jsonl").exists() else 0
+        )
+        if lines >= 17:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert len(read_metrics(killed)) < 40
+    subprocess.run([*common, "--output", str(killed)], env=env, check=True, capture_output=True)
+    a, b = read_metrics(straight), read_metrics(killed)
+    assert [r["step"] for r in b] == list(range(40))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]

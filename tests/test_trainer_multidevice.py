@@ -1,0 +1,65 @@
+"""On 8 simulated CPU devices (data 2 x fsdp 2 x expert 2) the losses equal the single-device losses.
+
+XLA reads the device count when jax is first imported, and this test process may have imported jax already,
+so the comparison runs in a fresh Python process with XLA_FLAGS set before the import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, tempfile
+    import jax
+    from tokenmill.trainer.config import ModelConfig, MoEConfig
+    from tokenmill.trainer.data import SyntheticSource
+    from tokenmill.trainer.sharding import make_mesh, param_shardings
+    from tokenmill.trainer import model
+    from tokenmill.trainer.train import Phase, TrainConfig, train
+
+    assert jax.device_count() == 8, jax.devices()
+    result = {}
+    for dispatch in ("capacity", "dropless"):
+        cfg = ModelConfig(
+            name="t", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, seq_len=32,
+            sliding_window=16, sliding_window_layers=[1],
+            moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, dispatch=dispatch,
+                          capacity_factor=1.0, bias_rate=0.01),
+        )
+        for mesh in ("2,2,2", "1,1,1"):
+            out = tempfile.mkdtemp()
+            source = SyntheticSource(256, 32, 8, seed=0, active_vocab=64)
+            tcfg = TrainConfig(output=out, batch_size=8, mesh=mesh, peak_flops=1e9, warmup_steps=1)
+            rows = train(cfg, tcfg, source, [Phase("pretraining", 0, 3)])
+            result[f"{dispatch}/{mesh}"] = [[r["loss"], r["grad_norm"], r["drop_fraction"]] for r in rows]
+    abstract = jax.eval_shape(lambda k: model.init_params(k, cfg), jax.random.key(0))
+    shardings = param_shardings(abstract, make_mesh((2, 2, 2)))
+    result["w_gate_spec"] = str(shardings["layers"][0]["moe"]["w_gate"].spec)
+    print("RESULT " + json.dumps(result))
+    print(json.dumps(result), file=sys.stderr)
+    """
+)
+
+
+def test_eight_devices_match_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["w_gate_spec"] == "P('expert', 'fsdp', None)"
+    for dispatch in ("capacity", "dropless"):
+        sharded, single = result[f"{dispatch}/2,2,2"], result[f"{dispatch}/1,1,1"]
+        assert len(sharded) == len(single) == 3
+        for (loss_a, grad_a, drop_a), (loss_b, grad_b, drop_b) in zip(sharded, single, strict=True):
+            assert abs(loss_a - loss_b) < 1e-5 * abs(loss_b), (dispatch, sharded, single)
+            assert abs(grad_a - grad_b) < 1e-4 * abs(grad_b)
+            assert drop_a == drop_b
+    assert any(row[2] > 0 for row in result["capacity/1,1,1"])  # the capacity path really dropped tokens
