@@ -36,7 +36,7 @@ test-all: install browser
 	$(BIN)/python -m pytest -q
 
 bench: install
-	@for script in bench/*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
+	$(BIN)/python scripts/run_benchmarks.py
 
 lint: install
 	$(BIN)/ruff check src tests bench scripts

@@ -21,7 +21,7 @@ documents, what any n-gram decontamination must do) run in one process over batc
 best of five, interleaved. Targets: recall at least 0.95 on whole and embedded items, false positives
 under 0.1%.
 
-    python -P bench/decontam.py [--clean 10000] [--planted 500] [--filler-records 200000]
+    python bench/decontam.py [--clean 10000] [--planted 500] [--filler-records 200000]
 
 The last line is `decontam ratio=X.XX target=0.5 baseline=ngram_extraction`: documents per second of
 the stage over documents per second of n-gram extraction alone.

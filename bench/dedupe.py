@@ -21,7 +21,7 @@ inserted). Ids are shuffled, so the original is not always the smallest id.
    LocalPipelineExecutor, same n-grams, bands and rows; sha1 shingle hashing, since datatrove's default
    xxhash is not installed).
 
-    python -P bench/dedupe.py [--documents 8000] [--workers 2]
+    python bench/dedupe.py [--documents 8000] [--workers 2]
 
 The last line is `dedupe ratio=X.XX target=5 baseline=datasketch_minhash`: tokenmill's signature
 throughput over datasketch's. The whole-stage ratio (target 1) is printed just before it.

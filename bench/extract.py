@@ -20,7 +20,7 @@ left in (words that also occur in the page's main text are not counted as boiler
 `--trafilatura-path DIR` (a folder with trafilatura installed, e.g. by `pip install --target DIR
 trafilatura`; it is not a dependency), Trafilatura is measured the same way for comparison.
 
-    python -P bench/extract.py [--pages 600] [--repeats 3] [--trafilatura-path /tmp/trafi]
+    python bench/extract.py [--pages 600] [--repeats 3] [--trafilatura-path /tmp/trafi]
 
 The last line is `extract ratio=X.XX target=0.8 baseline=extractor_loop`, where ratio is the WARC
 reader's pages per second over the extractor loop's.

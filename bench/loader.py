@@ -16,8 +16,7 @@ rows a step (1M tokens: one host's share of a big batch).
 * warm: every page is in memory; `--warm-seconds` of batches, on the caller's thread alone (the one-core
   target) and as the trainer gets it.
 
-Numbers depend on the disk and on whatever else runs. Run it niced, with `python -P` or from the
-repository root, so that bench/tokenize.py does not shadow the standard library.
+Numbers depend on the disk and on whatever else runs. Run it niced.
 
 The last line is `loader ratio=X.XX target=0.5 baseline=sequential_memmap_read`: cold sampler tokens/s
 over cold sequential tokens/s. The line before it gives warm tokens/s against the 10M target.
@@ -25,24 +24,19 @@ over cold sequential tokens/s. The line before it gives warm tokens/s against th
 
 from __future__ import annotations
 
+import argparse
+import ctypes
+import gc
+import mmap
 import os
+import shutil
+import statistics
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-# Python puts this script's folder first on sys.path, and bench/ holds scripts named after stages
-# (bench/tokenize.py) that would shadow standard-library modules for everything imported below.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import gc  # noqa: E402
-import mmap  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 WARM_TARGET = 10e6
 COLD_TARGET = 0.5

@@ -16,21 +16,16 @@ the median time of the wide plan, so ratio >= 1 meets the target.
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-# Python puts this script's folder first on sys.path, and bench/ holds scripts named after stages
-# (bench/tokenize.py) that would shadow standard-library modules for everything imported below.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-import json  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import yaml  # noqa: E402
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_SECONDS = 1.0
