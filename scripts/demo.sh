@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the bundled sample corpus, end to end (what `make demo` runs):
 # classifiers trained on the spot -> curate -> tokenizer -> tokenize -> mixture plan ->
-# a tiny MoE through pretraining then midtraining -> the data-overview page with the run page.
+# a tiny MoE through pretraining then midtraining -> a miniature scaling ladder (three smaller rungs of the
+# same family) forecasting that run's loss -> the data-overview page with the run page and the forecast.
 # Every stage is an ordinary tokenmill command; README's tour runs them one by one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,9 +11,11 @@ TOKENMILL=${TOKENMILL:-.venv/bin/tokenmill}
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-out/demo}
 RUN=${RUN:-runs/demo}
+LADDER=${LADDER:-runs/demo-ladder}
 MIXTURE=mixtures/demo.yaml
 MODEL=configs/models/tiny.yaml
-STEPS_TOTAL=9
+LADDER_SPEC=configs/ladders/demo.yaml
+STEPS_TOTAL=12
 started=$(date +%s)
 stage=0
 
@@ -51,8 +54,28 @@ banner "train the tiny MoE: midtraining, from the last pretraining checkpoint"
 "$TOKENMILL" train --mixture "$MIXTURE" --tokens "$OUT/tokens" \
   --phase midtraining --model "$MODEL" --output "$RUN"
 
-banner "build the data-overview page and the run page"
+banner "plan the miniature scaling ladder: rungs, tokens per active parameter, mixture slices"
+rm -rf "$LADDER"
+"$TOKENMILL" ladder plan "$LADDER_SPEC" --counts "$OUT/tokens/counts.json" --output "$LADDER/plan"
+
+banner "train the three rungs (each: pretraining, then midtraining)"
+# One line per rung from the plan: name, model file, slice spec.
+"$PYTHON" -c 'import json, sys
+for rung in json.load(open(sys.argv[1]))["rungs"]:
+    print(rung["name"], rung["model"], rung["mixture_spec"])' "$LADDER/plan/ladder-plan.json" |
+  while read -r name model spec; do
+    for phase in pretraining midtraining; do
+      "$TOKENMILL" train --mixture "$spec" --tokens "$OUT/tokens" --phase "$phase" --model "$model" \
+        --output "$LADDER/$name"
+    done
+  done
+
+banner "fit loss against compute over the rungs and forecast the tiny MoE's loss"
+"$TOKENMILL" ladder fit "$LADDER"/rung-*/ --ladder "$LADDER_SPEC" --target-run "$RUN" \
+  --output "$LADDER/ladder.json"
+
+banner "build the data-overview page and the run page (with the forecast)"
 "$TOKENMILL" report --curated "$OUT/curate/curated" --tokens "$OUT/tokens" --mixture "$MIXTURE" \
-  --run "$RUN" --output "$OUT/site"
+  --run "$RUN" --ladder "$LADDER/ladder.json" --output "$OUT/site"
 
 printf '\ndemo done in %ds: open %s/site/index.html (and run.html)\n' "$(($(date +%s) - started))" "$OUT"

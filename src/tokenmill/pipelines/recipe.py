@@ -49,8 +49,9 @@ from tokenmill.pipelines.readers import InputFields
 from tokenmill.units import parse_count
 
 
-
-def _heuristic_filter(kind: str, language: str = "en", shared_words: bool = True, **params: Any) -> HeuristicFilter:
+def _heuristic_filter(
+    kind: str, language: str = "en", shared_words: bool = True, **params: Any
+) -> HeuristicFilter:
     step = HeuristicFilter(kind, params, language=language, shared_words=shared_words)
     datatrove_filter_class(kind)(**params)  # datatrove checks its own parameter names here
     return step
@@ -134,7 +135,9 @@ class Recipe(BaseModel):
                 raise ValueError(f"stages[{position}]: one stage kind per entry, got {sorted(stage)}")
             kind = next(iter(stage))
             if kind not in STAGE_KINDS:
-                raise ValueError(f"stages[{position}]: unknown stage {kind!r}; known: {', '.join(STAGE_KINDS)}")
+                raise ValueError(
+                    f"stages[{position}]: unknown stage {kind!r}; known: {', '.join(STAGE_KINDS)}"
+                )
             if kind == BY_DOMAIN:
                 _check_chains(stage[kind], f"stages[{position}].{BY_DOMAIN}")
         return stages
@@ -151,7 +154,11 @@ class Recipe(BaseModel):
         contributes its inner stages, in first-seen order."""
         names = ["normalize"]
         for kind, params in self.stage_list():
-            inner = [next(iter(entry)) for chain in params.values() for entry in chain] if kind == BY_DOMAIN else [kind]
+            inner = (
+                [next(iter(entry)) for chain in params.values() for entry in chain]
+                if kind == BY_DOMAIN
+                else [kind]
+            )
             names.extend(name for name in inner if name not in names)
         return names
 
@@ -164,19 +171,26 @@ def _check_chains(chains: Any, where: str) -> None:
             raise ValueError(f"{where}.{domain}: a list of stages")
         for position, entry in enumerate(chain):
             if not isinstance(entry, dict) or len(entry) != 1 or next(iter(entry)) not in DOCUMENT_STAGES:
-                raise ValueError(f"{where}.{domain}[{position}]: one per-document stage per entry "
-                                 f"({', '.join(DOCUMENT_STAGES)})")
+                raise ValueError(
+                    f"{where}.{domain}[{position}]: one per-document stage per entry "
+                    f"({', '.join(DOCUMENT_STAGES)})"
+                )
 
 
 def build_step(kind: str, params: dict, where: str) -> DocumentStep | GroupingStep:
     """The step for one recipe stage; bad parameters are a RecipeError naming `where`."""
     try:
         if kind == BY_DOMAIN:
-            return DomainChains({
-                domain: [build_step(inner, dict(inner_params or {}), f"{where}.{domain}[{position}]")
-                         for position, entry in enumerate(chain) for inner, inner_params in entry.items()]
-                for domain, chain in params.items()
-            })
+            return DomainChains(
+                {
+                    domain: [
+                        build_step(inner, dict(inner_params or {}), f"{where}.{domain}[{position}]")
+                        for position, entry in enumerate(chain)
+                        for inner, inner_params in entry.items()
+                    ]
+                    for domain, chain in params.items()
+                }
+            )
         if kind in GROUPING_STAGES:
             module_name, class_name = GROUPING_STAGES[kind].split(":")
             transform_class = getattr(importlib.import_module(module_name), class_name)
@@ -211,7 +225,8 @@ def load_recipe(path: str | Path) -> Recipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as error:
         problems = "; ".join(
-            f"{'.'.join(str(part) for part in item['loc']) or '(top)'}: {item['msg']}" for item in error.errors()
+            f"{'.'.join(str(part) for part in item['loc']) or '(top)'}: {item['msg']}"
+            for item in error.errors()
         )
         raise RecipeError(f"{path}: {problems}") from None
     build_steps(recipe, str(path))  # parameter errors surface now, before any pipeline starts

@@ -45,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--run", metavar="DIR", help="a run folder (runs/NAME) with metrics.jsonl: adds run.html"
     )
     parser.add_argument(
+        "--ladder",
+        metavar="FILE",
+        help="a scaling-ladder fit (`tokenmill ladder fit`'s ladder.json) to draw on the run page "
+        "(default: the run folder's ladder.json, if any)",
+    )
+    parser.add_argument(
         "--output", default="site", metavar="DIR", help="where to write the site (default: site)"
     )
     parser.add_argument(
@@ -109,6 +115,11 @@ def run_report(args: argparse.Namespace) -> int:
     for flag, path in (("--curated", args.curated), ("--tokens", args.tokens), ("--run", args.run)):
         if path is not None and not storage.exists(path):
             raise UsageError(f"{flag} {path}: no such folder")
+    if args.ladder is not None:
+        if not storage.exists(args.ladder):
+            raise UsageError(f"--ladder {args.ladder}: no such file")
+        if args.run is None:
+            raise UsageError("--ladder draws the forecast on the run page: give --run too")
     if args.plan:
         plan, origin = _load_plan_file(args.plan, "plan"), args.plan
     else:
@@ -136,6 +147,7 @@ def run_report(args: argparse.Namespace) -> int:
             options=options,
             title=args.title,
             plan_origin=origin,
+            ladder=args.ladder,
         )
     except InputError as error:
         raise UsageError(str(error)) from error

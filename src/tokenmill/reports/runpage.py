@@ -76,8 +76,11 @@ def flatten_config(value: Any, prefix: str = "", depth: int = 0) -> list[tuple[s
     return [(prefix, text if len(text) <= 200 else text[:200] + "…")]
 
 
-def build_run(run_dir: str) -> dict[str, Any]:
-    """Charts, summary and config rows for one run folder."""
+def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
+    """Charts, summary and config rows for one run folder, and the ladder forecast when there is one.
+
+    ladder_path: a `tokenmill ladder fit` output; by default the run folder's own ladder.json, if any.
+    """
     metrics_path = storage.join(run_dir, "metrics.jsonl")
     if not storage.exists(metrics_path):
         raise InputError(f"{metrics_path}: no metrics.jsonl in the run folder")
@@ -256,6 +259,11 @@ def build_run(run_dir: str) -> dict[str, Any]:
         ),
     ]
     config_rows = flatten_config(config) if config is not None else []
+    if ladder_path is None and storage.exists(storage.join(run_dir, "ladder.json")):
+        ladder_path = storage.join(run_dir, "ladder.json")
+    ladder = (
+        build_ladder(read_ladder(ladder_path), ladder_path, rows, config, run_dir) if ladder_path else None
+    )
     return {
         "name": summary[0][1],
         "summary": summary,
@@ -265,4 +273,239 @@ def build_run(run_dir: str) -> dict[str, Any]:
         "config_truncated": max(0, len(config_rows) - CONFIG_ROWS),
         "metrics_path": metrics_path,
         "config_path": config_path if config is not None else None,
+        "ladder": ladder,
+    }
+
+
+# --- the scaling-ladder forecast (`tokenmill ladder fit` writes ladder.json; docs/ladder.md) ----------------
+
+LADDER_KEYS = ("fractions", "points", "fit", "target", "forecast", "final", "curve", "band")
+FORECAST_COLOR = "#111827"
+ACTUAL_COLOR = "#db2777"
+BAND_COLOR = "#6b7280"
+
+
+def read_ladder(path: str) -> dict[str, Any]:
+    """ladder.json as `tokenmill ladder fit` writes it; InputError names the file and what is missing."""
+    ladder = read_json_file(path, "ladder fit")
+    if not isinstance(ladder, dict):
+        raise InputError(f"{path}: a ladder fit is a JSON object")
+    missing = [key for key in LADDER_KEYS if key not in ladder]
+    if missing:
+        raise InputError(f"{path}: not a ladder fit (`tokenmill ladder fit` output): no {', '.join(missing)}")
+    return ladder
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.0f}%"
+
+
+def _error_bars(items: list[tuple[float, float, float, float]]) -> list[tuple[float, float | None]]:
+    """Vertical bars (x, low, value, high), one series: a gap between bars keeps them apart."""
+    points: list[tuple[float, float | None]] = []
+    for x, low, value, high in items:
+        if points:
+            points.append((x, None))
+        points.extend([(x, low), (x, value), (x, high)])
+    return points
+
+
+def _is_target(ladder: dict[str, Any], run_dir: str, rows: list[dict[str, Any]], config: Any) -> bool:
+    """Whether the page's run is the ladder's target: named by the fit, or planned to the target's compute."""
+    named = ladder["target"].get("run")
+    if named and storage.is_local(run_dir) and os.path.realpath(named) == os.path.realpath(run_dir):
+        return True
+    first = next((r for r in rows if _number(r.get("flops")) and isinstance(r.get("step"), int)), None)
+    config = config if isinstance(config, dict) else {}
+    planned = (config.get("plan") or {}).get("total_steps") or (config.get("schedule") or {}).get(
+        "total_steps"
+    )
+    target = _number(ladder["target"].get("flops"))
+    if first is None or not planned or not target:
+        return False
+    flops = float(first["flops"]) / (first["step"] + 1) * planned
+    return abs(flops / target - 1) < 0.01
+
+
+def build_ladder(
+    ladder: dict[str, Any], ladder_path: str, rows: list[dict[str, Any]], config: Any, run_dir: str
+) -> dict[str, Any]:
+    """The forecast section of the run page: loss against compute (log-log), and the forecast against this
+    run when this run is the ladder's target."""
+    fit = ladder["fit"]
+    fractions = [float(f) for f in ladder["fractions"]]
+    target = ladder["target"]
+    target_flops = float(target["flops"])
+    points = ladder["points"]
+    smallest = min((float(p["flops"]) for p in points), default=target_flops)
+
+    series: list[svg.Series] = []
+    for i, fraction in enumerate(fractions):
+        color = svg.category_color(i)
+        mine = sorted(
+            (float(p["flops"]), float(p["loss"])) for p in points if float(p["fraction"]) == fraction
+        )
+        marked: list[tuple[float, float | None]] = []
+        for x, y in mine:
+            if marked:
+                marked.append((x, None))
+            marked.append((x, y))
+        series.append(svg.Series(f"rungs at {_percent(fraction)}", marked, color, markers=True))
+        coefficient = _number((fit.get("A") or {}).get(str(fraction)))
+        if coefficient is not None:
+            end = fraction * target_flops
+            grid = [smallest * (end / smallest) ** (k / 47) for k in range(48)] if end > smallest else []
+            curve = [(c, fit["E"] + coefficient * c ** -fit["alpha"]) for c in grid]
+            series.append(svg.Series(f"fit at {_percent(fraction)}", curve, color, width=1.2, legend=False))
+    level = _percent(float(ladder["band"].get("level", 0.95)))
+    series.append(
+        svg.Series(
+            f"{level} band",
+            [(float(c["flops"]), _number(c.get("high"))) for c in ladder["curve"]],
+            BAND_COLOR,
+            dashed=True,
+            width=1.0,
+        )
+    )
+    series.append(
+        svg.Series(
+            "",
+            [(float(c["flops"]), _number(c.get("low"))) for c in ladder["curve"]],
+            BAND_COLOR,
+            dashed=True,
+            width=1.0,
+            legend=False,
+        )
+    )
+    final = ladder["final"]
+    series.append(
+        svg.Series(
+            "forecast",
+            _error_bars([(float(final["flops"]), final["low"], final["loss"], final["high"])]),
+            FORECAST_COLOR,
+            markers=True,
+            width=2.0,
+        )
+    )
+    actual = ladder.get("actual") or []
+    if actual:
+        series.append(
+            svg.Series(
+                "target run",
+                [(float(a["flops"]), float(a["loss"])) for a in actual],
+                ACTUAL_COLOR,
+                markers=True,
+                width=1.0,
+            )
+        )
+    compute_chart = svg.line_chart(
+        series,
+        title="Loss against training compute",
+        # Room right of the target for its marker's label.
+        x=svg.Axis("training FLOPs", log=True, high=target_flops * 1.8),
+        y=svg.Axis("loss", log=True),
+        vlines=[svg.VLine(target_flops, "target")],
+        height=300,
+    )
+    charts = [
+        {
+            "title": "Loss against training compute",
+            "svg": compute_chart,
+            "note": "Each rung's smoothed loss at matched fractions of its training (points) and the fitted "
+            "L(C) = E + A_f C^-alpha for each fraction (lines), extended to the target's compute; the dashed "
+            f"lines are the {level} band of the final fraction's curve and the black bar the forecast.",
+        }
+    ]
+
+    this_run_is_target = _is_target(ladder, run_dir, rows, config)
+    if this_run_is_target:
+        per_step = next(
+            (float(r["flops"]) / (r["step"] + 1) for r in rows if _number(r.get("flops")) and "step" in r),
+            None,
+        )
+        if per_step:
+            bars = [
+                (float(f["flops"]) / per_step - 1, f["low"], f["loss"], f["high"]) for f in ladder["forecast"]
+            ]
+            run_series = [
+                _series(rows, "loss", "this run"),
+                svg.Series(
+                    f"forecast ({level} band)", _error_bars(bars), FORECAST_COLOR, markers=True, width=2.0
+                ),
+            ]
+            if actual:
+                run_series.append(
+                    svg.Series(
+                        "smoothed at the same fractions",
+                        [(float(a["step"]), float(a["loss"])) for a in actual],
+                        ACTUAL_COLOR,
+                        markers=True,
+                        width=1.0,
+                    )
+                )
+            charts.append(
+                {
+                    "title": "Forecast against this run",
+                    "svg": svg.line_chart(
+                        run_series,
+                        title="Forecast against this run",
+                        x=svg.Axis("step"),
+                        y=svg.Axis("loss"),
+                        vlines=phase_lines(rows),
+                        height=300,
+                    ),
+                    "note": "This run is the ladder's target: its loss, the forecast at each fraction of its "
+                    "planned steps, and its own loss smoothed the way the rungs' were.",
+                }
+            )
+
+    actual_by_fraction = {float(a["fraction"]): a for a in actual}
+    forecast_rows = []
+    for item in ladder["forecast"]:
+        got = actual_by_fraction.get(float(item["fraction"]))
+        forecast_rows.append(
+            (
+                _percent(float(item["fraction"])),
+                f"{float(item['flops']):.3e}",
+                f"{item['loss']:.4f}",
+                f"{item['low']:.4f} – {item['high']:.4f}",
+                f"{got['loss']:.4f}" if got else "–",
+            )
+        )
+    runs = sorted({str(p["run"]) for p in points})
+    coefficients = ", ".join(
+        f"A@{_percent(float(f))} = {float(value):.4g}" for f, value in (fit.get("A") or {}).items()
+    )
+    name = target.get("name") or "the target"
+    tokens = _number(target.get("tokens"))
+    summary = [
+        ("target", f"{name}" + (f", {format_count(tokens)} tokens" if tokens else "")),
+        ("target compute", f"{target_flops:.3e} FLOPs"),
+        (
+            "forecast final loss",
+            f"{final['loss']:.4f} ({level} band {final['low']:.4f} – {final['high']:.4f})",
+        ),
+        ("rungs", f"{len(runs)} runs, {len(points)} points at " + ", ".join(_percent(f) for f in fractions)),
+        (
+            "fit",
+            f"E = {fit['E']:.4f}, alpha = {fit['alpha']:.4f}; {coefficients}",
+        ),
+        (
+            "residuals",
+            (f"sd {fit['residual_sd']:.4g}, " if _number(fit.get("residual_sd")) is not None else "")
+            + f"{fit.get('dof', '?')} degrees of freedom",
+        ),
+        (
+            "band",
+            f"{ladder['band'].get('method', '')} ({ladder['band'].get('replicates', '?')} replicates)",
+        ),
+    ]
+    return {
+        "path": ladder_path,
+        "summary": summary,
+        "charts": charts,
+        "forecast_rows": forecast_rows,
+        "has_actual": bool(actual),
+        "warnings": [str(w) for w in ladder.get("warnings") or []],
+        "runs": runs,
     }

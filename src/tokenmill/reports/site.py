@@ -115,8 +115,15 @@ def build_site(
     options: OverviewOptions | None = None,
     title: str = "Data overview",
     plan_origin: str = "mixture plan",
+    ladder: str | None = None,
 ) -> SiteResult:
-    """Build the site into `output` and return the files written with their sizes."""
+    """Build the site into `output` and return the files written with their sizes.
+
+    ladder: a scaling-ladder fit (`tokenmill ladder fit`'s ladder.json) drawn on the run page; without it the
+    run folder's own ladder.json is used when there is one.
+    """
+    if ladder and not run:
+        raise InputError(f"{ladder}: a ladder forecast is drawn on the run page; give --run too")
     options = options or OverviewOptions()
     validate_plan(plan, plan_origin)
     if previous_plan is not None:
@@ -127,7 +134,7 @@ def build_site(
         raise InputError(f"{tokens}: no counts.json here (expected the tokenize output folder)")
     counts = load_counts(tokens)
     overview = build_overview(layout, tokens, counts, plan, previous_plan, options)
-    run_page = build_run(run) if run else None
+    run_page = build_run(run, ladder) if run else None
 
     outputs: dict[str, bytes] = {}
     data_files: list[dict[str, Any]] = []
@@ -174,6 +181,10 @@ def build_site(
         publish("data/run/metrics.jsonl", _read_bytes(run_page["metrics_path"]), "run metrics", "run")
         if run_page["config_path"]:
             publish("data/run/config.json", _read_bytes(run_page["config_path"]), "run config", "run")
+        if run_page["ladder"]:
+            publish(
+                "data/run/ladder.json", _read_bytes(run_page["ladder"]["path"]), "scaling-ladder fit", "run"
+            )
     sums = "".join(
         f"{f['sha256']}  {f['href'][len('data/') :]}\n" for f in sorted(data_files, key=lambda f: f["href"])
     )

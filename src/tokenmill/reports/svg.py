@@ -414,6 +414,9 @@ class Series:
     dashed: bool = False
     markers: bool = False
     width: float = 1.6
+    # False keeps a helper series (the lower edge of a band, a curve that shares its points' color) out of
+    # the legend.
+    legend: bool = True
 
 
 @dataclass(frozen=True)
@@ -461,8 +464,11 @@ def _log_ticks(low: float, high: float) -> list[float]:
         return nice_ticks(low, high, 4)
     stride = max(1, math.ceil((stop - start) / 6))
     ticks = [10.0**k for k in range(start, stop + 1, stride) if low <= 10.0**k <= high]
-    if len(ticks) < 2:
+    if len(ticks) < 3:
         ticks = [t * 10.0**k for k in range(start, stop + 1) for t in (1, 2, 5) if low <= t * 10.0**k <= high]
+    if len(ticks) < 3 and high < 10 * low:
+        # Within a decade (losses between 2 and 4, say), evenly spaced round values read better than one tick.
+        ticks = [t for t in nice_ticks(low, high, 4) if t > 0]
     return ticks
 
 
@@ -501,6 +507,7 @@ def line_chart(
             s.dashed,
             s.markers,
             s.width,
+            s.legend,
         )
         for i, s in enumerate(series)
     ]
@@ -509,9 +516,9 @@ def line_chart(
     xs += [v.x for v in vlines if math.isfinite(v.x) and not (x.log and v.x <= 0)]
     legend_rows = 0
     legend_items: list[tuple[float, int, Series]] = []
-    if len(series) > 1:
+    if sum(s.legend for s in series) > 1:
         cursor, row = 0.0, 0
-        for s in series:
+        for s in (s for s in series if s.legend):
             item_w = 26 + CHAR_WIDTH * len(s.name) + 12
             if cursor + item_w > width - 70 and cursor > 0:
                 cursor, row = 0.0, row + 1
