@@ -48,7 +48,7 @@ CELLS = {"domain=web/quality=3": 0.6, "domain=code/quality=2": 0.25, "domain=mat
 
 def build_tokens(root: Path, total_tokens: int) -> None:
     """Cells of random token ids in shards of SHARD_TOKENS, through the writer's manifest and counts code."""
-    from tokenmill.tokenize.shards import file_sha256
+    from tokenmill.storage import file_sha256
     from tokenmill.tokenize.tokenizer import TokenizerInfo
     from tokenmill.tokenize.writer import write_counts, write_manifest
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+import zstandard
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "data" / "sample"
@@ -44,3 +47,62 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
     return {
         str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()
     }
+
+
+# Loaded by every Python process of the run (the CLI and Beam's worker processes) through PYTHONPATH:
+# any connection or name lookup beyond loopback is refused and written down.
+BLOCK_NETWORK = textwrap.dedent(
+    """
+    import os, socket
+
+    LOG = os.environ["TOKENMILL_NETWORK_LOG"]
+    LOCAL = ("127.", "::1", "localhost", "0.0.0.0")
+
+    def _refuse(what):
+        with open(LOG, "a") as log:
+            log.write(repr(what) + "\\n")
+        raise OSError("network blocked by the test: " + repr(what))
+
+    _connect = socket.socket.connect
+    _getaddrinfo = socket.getaddrinfo
+
+    def connect(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and not str(address[0]).startswith(LOCAL):
+            _refuse(address)
+        return _connect(self, address)
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host is not None and not str(host).startswith(LOCAL):
+            _refuse(host)
+        return _getaddrinfo(host, *args, **kwargs)
+
+    socket.socket.connect = connect
+    socket.getaddrinfo = getaddrinfo
+    """
+)
+
+
+def offline_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """Environment for a `tokenmill` run with every non-loopback connection refused and logged, and empty
+    home and cache folders (nothing may be fetched into them either); returns (env, log path)."""
+    site = tmp_path / "offline-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCK_NETWORK)
+    log = tmp_path / "network.log"
+    env = {
+        "PYTHONPATH": str(site),
+        "TOKENMILL_NETWORK_LOG": str(log),
+        "HOME": str(tmp_path / "home"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "HF_HOME": str(tmp_path / "hf"),
+    }
+    return env, log
+
+
+def rejected_rows(output: Path) -> list[dict]:
+    """Every record under OUTPUT/rejected/, in file order."""
+    rows = []
+    for path in sorted((output / "rejected").glob("*.jsonl.zst")):
+        data = zstandard.ZstdDecompressor().stream_reader(path.read_bytes()).read()
+        rows.extend(json.loads(line) for line in data.splitlines())
+    return rows

@@ -22,6 +22,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tokenmill.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
+
 BASE_DOMAINS = (
     "web",
     "code",
@@ -43,25 +45,6 @@ WORDS = (
     "system method result theory proof function variable matrix vector network layer attention"
 ).split()
 SOURCES = ("crawl-2024.jsonl.zst", "crawl-2025.jsonl.zst", "books.parquet", "papers.jsonl", "forums.warc.gz")
-SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("text", pa.string()),
-        ("source", pa.string()),
-        ("url", pa.string()),
-        ("metadata", pa.string()),
-        ("language", pa.string()),
-        ("language_score", pa.float32()),
-        ("quality_score", pa.float32()),
-        ("quality", pa.int8()),
-        ("domain", pa.string()),
-        ("domain_score", pa.float32()),
-        ("n_chars", pa.int64()),
-        ("n_words", pa.int64()),
-        ("dup_cluster", pa.string()),
-    ]
-)
-REMOVED_SCHEMA = SCHEMA.append(pa.field("detail", pa.string()))
 CHARS_PER_TOKEN = 4.0
 
 # Each of these is a document's text (and URL) written to break a page that pastes it in as HTML.
@@ -206,7 +189,7 @@ def make_report_inputs(
                 chunk = rows[part * per_file : (part + 1) * per_file]
                 if chunk:
                     name = f"part-{part:05d}-of-{parts:05d}.parquet"
-                    _write_parquet(curate / "curated" / cell / name, chunk, SCHEMA)
+                    _write_parquet(curate / "curated" / cell / name, chunk, DOCUMENT_SCHEMA)
             chars = sum(r["n_chars"] for r in rows)
             tokens = sum(_tokens_for(r["n_chars"]) + 1 for r in rows)  # + end-of-text per document
             cell_stats[cell] = {

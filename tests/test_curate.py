@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import REPO, SAMPLE, WEB_RECIPE, run_tokenmill, tree_bytes
+from conftest import REPO, SAMPLE, WEB_RECIPE, rejected_rows, run_tokenmill, tree_bytes
 
 from tokenmill.cli import main
 
@@ -39,14 +39,6 @@ def curate(output: Path, *inputs: str, recipe: Path = WEB_RECIPE, workers: int =
 
 def parquet_rows(root: Path) -> list[dict]:
     return [row for path in sorted(root.rglob("*.parquet")) for row in pq.read_table(path).to_pylist()]
-
-
-def rejected_rows(root: Path) -> list[dict]:
-    rows = []
-    for path in sorted((root / "rejected").glob("*.jsonl.zst")):
-        data = zstandard.ZstdDecompressor().stream_reader(path.read_bytes()).read()
-        rows.extend(json.loads(line) for line in data.splitlines())
-    return rows
 
 
 def count_input_records(directory: Path) -> int:

@@ -4,63 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import textwrap
 
 import apache_beam as beam
 from apache_beam.internal import pickler
 from apache_beam.options.pipeline_options import WorkerOptions
-from conftest import SAMPLE, WEB_RECIPE, run_tokenmill
+from conftest import SAMPLE, WEB_RECIPE, offline_env, run_tokenmill
 
 from tokenmill.pipelines.curate import CurateRun, build_pipeline
 from tokenmill.pipelines.options import add_runner_arguments, make_pipeline, pipeline_flags
 from tokenmill.pipelines.recipe import load_recipe
 
-# Loaded by every Python process of the run (the CLI and Beam's worker processes) through PYTHONPATH:
-# any connection or name lookup beyond loopback is refused and written down.
-BLOCK_NETWORK = textwrap.dedent(
-    """
-    import os, socket
-
-    LOG = os.environ["TOKENMILL_NETWORK_LOG"]
-    LOCAL = ("127.", "::1", "localhost", "0.0.0.0")
-
-    def _refuse(what):
-        with open(LOG, "a") as log:
-            log.write(repr(what) + "\\n")
-        raise OSError("network blocked by the test: " + repr(what))
-
-    _connect = socket.socket.connect
-    _getaddrinfo = socket.getaddrinfo
-
-    def connect(self, address):
-        if self.family in (socket.AF_INET, socket.AF_INET6) and not str(address[0]).startswith(LOCAL):
-            _refuse(address)
-        return _connect(self, address)
-
-    def getaddrinfo(host, *args, **kwargs):
-        if host is not None and not str(host).startswith(LOCAL):
-            _refuse(host)
-        return _getaddrinfo(host, *args, **kwargs)
-
-    socket.socket.connect = connect
-    socket.getaddrinfo = getaddrinfo
-    """
-)
-
 
 def test_curate_runs_with_the_network_blocked(tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BLOCK_NETWORK)
-    log = tmp_path / "network.log"
-    env = {
-        "PYTHONPATH": str(site),
-        "TOKENMILL_NETWORK_LOG": str(log),
-        "HF_HUB_OFFLINE": "0",
-        # A fresh spaCy/datatrove cache: nothing may be fetched into it either.
-        "HOME": str(tmp_path / "home"),
-        "XDG_CACHE_HOME": str(tmp_path / "cache"),
-    }
+    env, log = offline_env(tmp_path)
     result = run_tokenmill(
         "curate",
         "--recipe",

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.mixtures import load_counts, load_mixture, load_mixture_text, plan_mixture
-from tokenmill.tokenize.shards import ShardError, file_sha256
+from tokenmill.storage import file_sha256
+from tokenmill.tokenize.shards import ShardError
 from tokenmill.tokenize.tokenizer import TokenizerInfo
 from tokenmill.tokenize.writer import write_counts, write_manifest
 from tokenmill.trainer.data import BatchSource, check_source, segments_from_eos

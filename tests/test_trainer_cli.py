@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tokenmill.cli import main
-from tokenmill.tokenize.shards import file_sha256
+from tokenmill.storage import file_sha256
 from tokenmill.tokenize.tokenizer import TokenizerInfo
 from tokenmill.tokenize.writer import write_counts, write_manifest
 

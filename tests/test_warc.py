@@ -5,7 +5,6 @@ fetches nothing."""
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import random
 import uuid
@@ -13,11 +12,9 @@ import zlib
 from pathlib import Path
 
 import pytest
-import zstandard
-from conftest import REPO, run_tokenmill
+from conftest import REPO, offline_env, rejected_rows, run_tokenmill
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_offline_and_dataflow import BLOCK_NETWORK
 
 from tokenmill.filters.url_filter import UrlFilter
 from tokenmill.pipelines import warc
@@ -439,19 +436,6 @@ def test_url_filter_step_blocks_domains_and_words_and_keeps_pages_without_url():
         UrlFilter(missing_url="maybe")
 
 
-def rejected_rows(output: Path) -> list[dict]:
-    rows = []
-    for path in sorted((output / "rejected").glob("*.jsonl.zst")):
-        rows += [
-            json.loads(line)
-            for line in zstandard.ZstdDecompressor()
-            .stream_reader(io.BytesIO(path.read_bytes()))
-            .read()
-            .splitlines()
-        ]
-    return rows
-
-
 def test_curate_reads_warc_with_the_network_blocked_and_balances(tmp_path):
     """The warc recipe end to end, offline: shipped block lists, bundled suffix list, stats that balance."""
     inputs = tmp_path / "in"
@@ -476,18 +460,8 @@ def test_curate_reads_warc_with_the_network_blocked_and_balances(tmp_path):
     broken = gzip.compress(record("https://cut.example/", http(page(PARAGRAPHS[:3]).encode())), mtime=0)
     (inputs / "crawl-00001.warc.gz").write_bytes(broken[: len(broken) // 2])
 
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BLOCK_NETWORK)
-    log = tmp_path / "network.log"
-    env = {
-        "PYTHONPATH": str(site),
-        "TOKENMILL_NETWORK_LOG": str(log),
-        "HOME": str(tmp_path / "home"),
-        "XDG_CACHE_HOME": str(tmp_path / "cache"),
-        "HF_HOME": str(tmp_path / "hf"),
-        "TLDEXTRACT_CACHE": str(tmp_path / "tld"),
-    }
+    env, log = offline_env(tmp_path)
+    env["TLDEXTRACT_CACHE"] = str(tmp_path / "tld")
     output = tmp_path / "out"
     result = run_tokenmill(
         "curate",

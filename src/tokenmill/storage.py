@@ -104,6 +104,17 @@ def read_json(path: str) -> Any:
         return json.loads(handle.read())
 
 
+def file_sha256(path: str, chunk_bytes: int = 1 << 20) -> str:
+    """sha256 of a file's bytes, read in chunks (checksums in manifests, model cards, data hashes)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open_file(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def remove_temporaries(root: str) -> int:
     """Delete temporary files left below `root` by killed writers; returns how many were removed."""
     if not is_local(root) or not os.path.isdir(local_path(root)):

@@ -18,11 +18,11 @@ domains, fails at load, before any pipeline starts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,9 +95,9 @@ def fasttext_text(text: str, max_chars: int) -> str:
     return " ".join(text[:max_chars].split())
 
 
-def read_labelled(path: str, text_field: str, label_field: str) -> list[tuple[str, str]]:
-    """(text, label) pairs from JSON Lines; a bad line is an error naming the file and line."""
-    examples = []
+def read_records(path: str, text_field: str) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of a JSON Lines file whose records carry a string `text_field`; a bad line is
+    an error naming the file and line."""
     with storage.open_file(path, "rb") as handle:
         for number, raw in enumerate(handle, 1):
             if not raw.strip():
@@ -108,23 +108,20 @@ def read_labelled(path: str, text_field: str, label_field: str) -> list[tuple[st
                 raise ClassifierError(f"{path}:{number}: not a JSON object: {error}") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ClassifierError(f"{path}:{number}: no string field {text_field!r}")
-            label = record.get(label_field)
-            if not isinstance(label, str) or not label or " " in label:
-                raise ClassifierError(
-                    f"{path}:{number}: field {label_field!r} must be a label without spaces"
-                )
-            examples.append((record[text_field], label))
+            yield number, record
+
+
+def read_labelled(path: str, text_field: str, label_field: str) -> list[tuple[str, str]]:
+    """(text, label) pairs from JSON Lines; a bad line is an error naming the file and line."""
+    examples = []
+    for number, record in read_records(path, text_field):
+        label = record.get(label_field)
+        if not isinstance(label, str) or not label or " " in label:
+            raise ClassifierError(f"{path}:{number}: field {label_field!r} must be a label without spaces")
+        examples.append((record[text_field], label))
     if not examples:
         raise ClassifierError(f"{path}: no labelled examples")
     return examples
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with storage.open_file(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def local_copy(path: str) -> str:
@@ -273,7 +270,7 @@ def train_classifier(
         "positive_label": config.positive_label,
         "data": {
             "path": input_path,
-            "sha256": file_sha256(input_path),
+            "sha256": storage.file_sha256(input_path),
             "examples": len(examples),
             "train": len(train),
             "holdout": len(holdout),
@@ -281,7 +278,7 @@ def train_classifier(
         },
         "parameters": {**config.fasttext.model_dump(), "thread": 1, "max_chars": config.max_chars},
         "holdout_metrics": metrics,
-        "model_sha256": file_sha256(os.path.join(output, MODEL_FILE)),
+        "model_sha256": storage.file_sha256(os.path.join(output, MODEL_FILE)),
     }
     if config.kind == "quality":
         if not calibration_path:
@@ -294,18 +291,9 @@ def train_classifier(
 def calibrate(model, config: ClassifierConfig, path: str, domain_model: str | None, output: str) -> dict:
     """Per-domain quintile cuts of the quality score, written to calibration.json; returns a summary."""
     texts, domains = [], []
-    with storage.open_file(path, "rb") as handle:
-        for number, raw in enumerate(handle, 1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ClassifierError(f"{path}:{number}: not a JSON object: {error}") from None
-            if not isinstance(record, dict) or not isinstance(record.get(config.text_field), str):
-                raise ClassifierError(f"{path}:{number}: no string field {config.text_field!r}")
-            texts.append(record[config.text_field])
-            domains.append(record.get(config.domain_field))
+    for _, record in read_records(path, config.text_field):
+        texts.append(record[config.text_field])
+        domains.append(record.get(config.domain_field))
     if domain_model:
         classifier = DomainClassifier(domain_model)
         classifier.setup()

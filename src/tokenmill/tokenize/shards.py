@@ -13,7 +13,6 @@ reports import it, never Beam or the tokenizer library.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -40,14 +39,6 @@ class ShardChecksumError(ShardError):
 
 def shard_name(index: int) -> str:
     return f"part-{index:05d}"
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with storage.open_file(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def check_format_version(found: Any, where: str) -> None:
@@ -154,7 +145,7 @@ class TokenShards:
         for shard in self.shards:
             for suffix, key in ((".bin", "bin_sha256"), (".idx", "idx_sha256")):
                 path = self._file(shard, suffix)
-                actual = file_sha256(path)
+                actual = storage.file_sha256(path, _HASH_CHUNK)
                 if actual != shard[key]:
                     raise ShardChecksumError(
                         f"{path}: checksum mismatch (sha256 {actual}, manifest says {shard[key]}); "

@@ -29,7 +29,6 @@ from tokenmill.tokenize.shards import (
     FORMAT_VERSION,
     INDEX_DTYPE,
     MANIFEST,
-    file_sha256,
     shard_name,
 )
 from tokenmill.tokenize.tokenizer import TokenizerInfo
@@ -84,7 +83,7 @@ def completed_marker(
         return None
     for suffix, key in ((".bin", "bin_sha256"), (".idx", "idx_sha256")):
         path = task.path(output, suffix)
-        if not storage.exists(path) or file_sha256(path) != marker.get(key):
+        if not storage.exists(path) or storage.file_sha256(path) != marker.get(key):
             return None
     return marker
 
@@ -205,7 +204,7 @@ def process_shard(
 
     Returns (done marker, whether the shard was written by this call).
     """
-    source_sha256 = file_sha256(task.source)
+    source_sha256 = storage.file_sha256(task.source)
     marker = completed_marker(task, output, info, source_sha256)
     if marker is not None:
         return marker, False
