@@ -20,8 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "curate",
         help="raw corpora -> curated Parquet cells, removed documents, rejected input, stats.json",
         description=(
-            "Read raw corpora (JSON Lines, plain/.gz/.zst, or Parquet), normalize, run the recipe's "
-            "stages (language id, exact dedupe, datatrove heuristic filters, ...) and write "
+            "Read raw corpora (JSON Lines, plain/.gz/.zst; Parquet; WARC, plain/.gz), normalize, run the "
+            "recipe's stages (language id, exact and fuzzy dedupe, domain and quality classifiers, "
+            "per-domain filter chains, decontamination, datatrove heuristic filters, ...) and write "
             "OUTPUT/curated/domain=<d>/quality=<q>/, OUTPUT/removed/stage=<s>/reason=<r>/, "
             "OUTPUT/rejected/ and OUTPUT/stats.json. Reruns give identical output."
         ),
@@ -34,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         action="append",
         metavar="PATH_OR_GLOB",
-        help="input files: a path or glob, local or gs://...; repeatable",
+        help="input files: a path or glob, local or gs://... (format by extension); repeatable",
     )
     parser.add_argument("--output", required=True, help="output folder, local or gs://...")
     add_runner_arguments(parser)
