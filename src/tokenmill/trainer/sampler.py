@@ -30,7 +30,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -518,6 +518,7 @@ class MixtureSource:
         # Draws of the steps announced ahead, kept for when they are asked for (they are pure, so a cache).
         self._ahead: dict[int, Draws] = {}
         self._announced = -1
+        self._announcer = Announcer()
         self.prefetch_batches = max(0, int(prefetch_batches))
         self._pending: dict[int, Future[Batch]] = {}
         self._assembler: ThreadPoolExecutor | None = None
@@ -571,7 +572,10 @@ class MixtureSource:
             del self._pending[other]
         self._read_ahead(step, where)
         self._prefetch(step)
-        return pending.result() if pending is not None else self.assemble(where)
+        if pending is not None:
+            return pending.result()
+        self._announcer.wait(step)
+        return self.assemble(where)
 
     def assemble(self, where: Draws) -> Batch:
         """The batch of these draws: windows gathered from the shards, segment ids from end-of-text."""
@@ -583,8 +587,9 @@ class MixtureSource:
         return self._base[where.source] + where.window * self.sequence_length
 
     def close(self) -> None:
-        """Stop the helper thread (it also stops when the source is garbage-collected)."""
+        """Stop the helper threads (they also stop when the source is garbage-collected)."""
         self._pending.clear()
+        self._announcer.close()
         if self._assembler is not None:
             self._assembler.shutdown(wait=True)
             self._assembler = None
@@ -606,10 +611,20 @@ class MixtureSource:
             self._assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-assemble")
         for ahead in range(step + 1, step + 1 + self.prefetch_batches):
             if ahead not in self._pending:
-                self._pending[ahead] = self._assembler.submit(self.assemble, self._draws_ahead(ahead))
+                announced = self._announcer.future(ahead)
+                self._pending[ahead] = self._assembler.submit(
+                    self._assemble_after, announced, self._draws_ahead(ahead)
+                )
 
-    def _advise(self, where: Draws) -> None:
-        advise(self._stream.byte_ranges_at(self._begin(where)))
+    def _assemble_after(self, announced: Future[int] | None, where: Draws) -> Batch:
+        # Fault in no page before its read is requested: a fault on a page not yet in the page cache
+        # reads the whole read-ahead window of the disk around it (megabytes), not the window's pages.
+        if announced is not None:
+            wait([announced])
+        return self.assemble(where)
+
+    def _advise(self, step: int, where: Draws) -> None:
+        self._announcer.submit(step, self._stream.byte_ranges_at(self._begin(where)))
 
     def _read_ahead(self, step: int, where: Draws) -> None:
         """Announce the windows of the next readahead_batches steps, each once, so their reads overlap."""
@@ -620,11 +635,13 @@ class MixtureSource:
         if not step <= self._announced <= step + self.readahead_batches:
             # A first call, a resume or a jump: start over from this step.
             self._ahead.clear()
-            self._advise(where)
+            self._announcer.cancel()
+            self._advise(step, where)
             self._announced = step
         while self._announced < step + self.readahead_batches:
             self._announced += 1
-            self._advise(self._draws_ahead(self._announced))
+            self._advise(self._announced, self._draws_ahead(self._announced))
+        self._announcer.forget(step)
 
 
 def advise(ranges: list[tuple[str, list[int], list[int]]]) -> int:
@@ -632,8 +649,7 @@ def advise(ranges: list[tuple[str, list[int], list[int]]]) -> int:
 
     Returns the number of ranges announced. It does not wait for the reads (though it can wait for room
     in the disk's queue). Errors are ignored: it is only a hint, and gather() reads the pages either way.
-    (Announcing from a helper thread was tried: on a busy machine the thread's turns came late and the
-    reads later still, so the caller announces.)
+    MixtureSource calls it through an `Announcer`, on a helper thread.
     """
     announced = 0
     for path, starts, stops in ranges:
@@ -650,6 +666,59 @@ def advise(ranges: list[tuple[str, list[int], list[int]]]) -> int:
         finally:
             os.close(fd)
     return announced
+
+
+class Announcer:
+    """Announces batches' byte ranges (`advise`) on one helper thread, step after step in the given order.
+
+    posix_fadvise(WILLNEED) queues its reads without waiting for them, but waits for room in the disk's
+    queue once that is full. Called on the caller's thread, announcing a batch far ahead therefore held
+    the batch asked for until the disk had finished nearly everything announced before: a cold run read
+    the read-ahead distance more than it used, all before returning. Here the caller only hands the
+    ranges over. Batches are assembled only once their own announcement is made (`wait`, or the
+    `future` passed to the assembler): a page faulted in before its read is queued makes the kernel read
+    around it (the disk's read-ahead, megabytes) instead of the window. One thread is enough: a single
+    announcing thread keeps the disk's queue full (more threads, or blocking reads from 16-128 threads,
+    read no faster on the development machine's disk; see docs/sampler.md, "Speed").
+    """
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._announced: dict[int, Future[int]] = {}
+
+    def submit(self, step: int, ranges: list[tuple[str, list[int], list[int]]]) -> None:
+        """Announce step's ranges after all submitted before (the helper thread starts on first use)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-announce")
+        self._announced[step] = self._executor.submit(advise, ranges)
+
+    def future(self, step: int) -> Future[int] | None:
+        """Done when step's reads are queued; None when it was never announced (or is forgotten)."""
+        return self._announced.get(step)
+
+    def wait(self, step: int) -> None:
+        """Return once step's announcement is made (at once when it was never submitted or was cancelled)."""
+        announced = self._announced.get(step)
+        if announced is not None:
+            wait([announced])
+
+    def forget(self, step: int) -> None:
+        """Drop the bookkeeping of steps before `step`."""
+        for old in [s for s in self._announced if s < step]:
+            del self._announced[old]
+
+    def cancel(self) -> None:
+        """Drop every announcement not started yet (after a jump they are no longer wanted)."""
+        for announced in self._announced.values():
+            announced.cancel()
+        self._announced.clear()
+
+    def close(self) -> None:
+        """Cancel what is queued and stop the helper thread (a later submit starts a new one)."""
+        self.cancel()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
 
 def _block_sequences(phase: dict[str, Any], block_size: int) -> list[int]:
