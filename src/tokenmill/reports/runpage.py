@@ -251,7 +251,7 @@ def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
         ("FLOPs", format_count(_number(last.get("flops")) or 0) if _number(last.get("flops")) else "–"),
         (
             "wall time",
-            f"{(_number(last.get('time')) or 0) / 3600:.2f} h" if _number(last.get("time")) else "–",
+            _duration(_number(last.get("time"))) if _number(last.get("time")) else "–",
         ),
         (
             "phases",
@@ -509,3 +509,12 @@ def build_ladder(
         "warnings": [str(w) for w in ladder.get("warnings") or []],
         "runs": runs,
     }
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as the unit a person reads at that size: 48 s, 12.5 min, 3.20 h."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
