@@ -48,35 +48,20 @@ CELLS = {"domain=web/quality=3": 0.6, "domain=code/quality=2": 0.25, "domain=mat
 
 def build_tokens(root: Path, total_tokens: int) -> None:
     """Cells of random token ids in shards of SHARD_TOKENS, through the writer's manifest and counts code."""
-    from tokenmill.storage import file_sha256
     from tokenmill.tokenize.tokenizer import TokenizerInfo
-    from tokenmill.tokenize.writer import write_counts, write_manifest
+    from tokenmill.tokenize.writer import write_counts, write_manifest, write_shard
 
     info = TokenizerInfo(name="bench-bpe", sha256="b" * 64, vocab_size=VOCAB, eos_id=EOS, eos_token="<eos>")
     rng = np.random.default_rng(0)
     summaries = []
     for cell, share in CELLS.items():
-        folder = root / cell
-        folder.mkdir(parents=True, exist_ok=True)
         remaining, markers, n = int(total_tokens * share), [], 0
         while remaining > 0:
             size = min(SHARD_TOKENS, remaining)
             ids = rng.integers(1, VOCAB, size=size, dtype=np.uint16)
             ends = np.union1d(np.flatnonzero(rng.random(size, dtype=np.float32) < 1 / 500), [size - 1])
             ids[ends] = EOS
-            name = f"part-{n:05d}"
-            ids.tofile(folder / f"{name}.bin")
-            (ends + 1).astype("<u8").tofile(folder / f"{name}.idx")
-            markers.append(
-                {
-                    "name": name,
-                    "documents": len(ends),
-                    "tokens": size,
-                    "bin_sha256": file_sha256(str(folder / f"{name}.bin")),
-                    "idx_sha256": file_sha256(str(folder / f"{name}.idx")),
-                    "source_files": [f"part-{n:05d}.parquet"],
-                }
-            )
+            markers.append(write_shard(str(root), cell, n, ids, ends + 1, info, [f"part-{n:05d}.parquet"]))
             remaining -= size
             n += 1
         summaries.append(write_manifest(str(root), cell, markers, info))

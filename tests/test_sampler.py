@@ -17,10 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.mixtures import load_counts, load_mixture, load_mixture_text, plan_mixture
-from tokenmill.storage import file_sha256
 from tokenmill.tokenize.shards import ShardError
 from tokenmill.tokenize.tokenizer import TokenizerInfo
-from tokenmill.tokenize.writer import write_counts, write_manifest
+from tokenmill.tokenize.writer import write_counts, write_manifest, write_shard
 from tokenmill.trainer.data import BatchSource, check_source, segments_from_eos
 from tokenmill.trainer.sampler import (
     BlockShuffle,
@@ -68,8 +67,6 @@ phases:
 def write_cell(root: Path, cell: str, shard_tokens: list[int], info: TokenizerInfo, seed: int) -> dict:
     """One cell of random documents (each ending in end-of-text), through the writer's manifest code."""
     rng = np.random.default_rng(seed)
-    folder = root / cell
-    folder.mkdir(parents=True, exist_ok=True)
     markers = []
     for n, tokens in enumerate(shard_tokens):
         ids = rng.integers(1, info.vocab_size, size=tokens).astype("<u2")
@@ -77,19 +74,8 @@ def write_cell(root: Path, cell: str, shard_tokens: list[int], info: TokenizerIn
         ends = np.flatnonzero(rng.random(tokens) < 1 / 40)
         ends = np.union1d(ends, [tokens - 1])
         ids[ends] = info.eos_id
-        name = f"part-{n:05d}"
-        ids.tofile(folder / f"{name}.bin")
-        (ends + 1).astype("<u8").tofile(folder / f"{name}.idx")
-        markers.append(
-            {
-                "name": name,
-                "documents": len(ends),
-                "tokens": tokens,
-                "bin_sha256": file_sha256(str(folder / f"{name}.bin")),
-                "idx_sha256": file_sha256(str(folder / f"{name}.idx")),
-                "source_files": [f"part-{n:05d}-of-{len(shard_tokens):05d}.parquet"],
-            }
-        )
+        source = f"part-{n:05d}-of-{len(shard_tokens):05d}.parquet"
+        markers.append(write_shard(str(root), cell, n, ids, ends + 1, info, [source]))
     return write_manifest(str(root), cell, markers, info)
 
 

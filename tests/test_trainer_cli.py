@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from tokenmill.cli import main
-from tokenmill.storage import file_sha256
 from tokenmill.tokenize.tokenizer import TokenizerInfo
-from tokenmill.tokenize.writer import write_counts, write_manifest
+from tokenmill.tokenize.writer import write_counts, write_manifest, write_shard
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny.yaml")
 
@@ -32,19 +31,11 @@ def write_tokens(root: Path, vocab_size: int, sha: str = "a" * 64) -> Path:
     rng = np.random.default_rng(0)
     summaries = []
     for cell in ("domain=web/quality=3", "domain=code/quality=2"):
-        folder = root / cell
-        folder.mkdir(parents=True)
         # Documents count upwards from a random start, so the next token is predictable.
         docs = [(rng.integers(1, 200) + np.arange(rng.integers(5, 60))) % 250 + 1 for _ in range(300)]
-        ids = np.concatenate([np.append(d, 0) for d in docs]).astype("<u2")
-        ids.tofile(folder / "part-00000.bin")
-        np.cumsum([len(d) + 1 for d in docs]).astype("<u8").tofile(folder / "part-00000.idx")
-        marker = {
-            "name": "part-00000", "documents": len(docs), "tokens": len(ids),
-            "bin_sha256": file_sha256(str(folder / "part-00000.bin")),
-            "idx_sha256": file_sha256(str(folder / "part-00000.idx")),
-            "source_files": ["part-00000-of-00001.parquet"],
-        }  # fmt: skip
+        ids = np.concatenate([np.append(d, 0) for d in docs])
+        ends = np.cumsum([len(d) + 1 for d in docs])
+        marker = write_shard(str(root), cell, 0, ids, ends, info, ["part-00000-of-00001.parquet"])
         summaries.append(write_manifest(str(root), cell, [marker], info))
     write_counts(str(root), summaries, info)
     return root

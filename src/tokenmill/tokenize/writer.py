@@ -211,6 +211,35 @@ def process_shard(
     return tokenize_file(task, output, tokenizer, info, source_sha256, batch_documents, on_batch), True
 
 
+def write_shard(
+    output: str,
+    cell: str,
+    index: int,
+    ids: np.ndarray,
+    document_ends: np.ndarray,
+    info: TokenizerInfo,
+    source_files: list[str],
+) -> dict[str, Any]:
+    """Write part-<index> of a cell from token ids already in memory (each document ending with end-of-text,
+    `document_ends` its exclusive end offsets); returns its manifest entry, for `write_manifest`.
+
+    For tokens that come from elsewhere than `tokenmill tokenize` (another tokenizer's output, test and
+    benchmark fixtures); the format is the same, written atomically.
+    """
+    name = shard_name(index)
+    entry: dict[str, Any] = {"name": name, "documents": len(document_ends), "tokens": len(ids)}
+    little_endian = np.dtype(info.dtype).newbyteorder("<")
+    for suffix, array in (
+        (".bin", np.asarray(ids, dtype=little_endian)),
+        (".idx", np.asarray(document_ends, "<u8")),
+    ):
+        data = array.tobytes()
+        storage.write_bytes(storage.join(output, cell, name + suffix), data)
+        entry[f"{suffix[1:]}_sha256"] = hashlib.sha256(data).hexdigest()
+    entry["source_files"] = list(source_files)
+    return entry
+
+
 def shard_entry(marker: dict[str, Any]) -> dict[str, Any]:
     keys = ("name", "documents", "tokens", "bin_sha256", "idx_sha256", "source_files")
     return {key: marker[key] for key in keys}
