@@ -306,7 +306,7 @@ class WriteStats(beam.DoFn):
     def process(self, entries, files, stage_stats):
         stats = build_stats(sorted(entries), self.run)
         stats["stages"] = dict(sorted(stage_stats))
-        stats["files"] = {f"{folder}/{relative}": rows for folder, (relative, rows) in sorted(files)}
+        stats["files"] = dict(sorted(files))
         storage.write_json(storage.join(self.run.output, "stats.json"), stats)
         yield stats
 
@@ -364,48 +364,50 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
     curated_files = (
         kept
         | "KeyByCell"
-        >> beam.Map(lambda d: (cell_name(d["domain"], int(d["quality"])), _row(d, DOCUMENT_SCHEMA)))
+        >> beam.Map(
+            lambda d: (f"curated/{cell_name(d['domain'], int(d['quality']))}", _row(d, DOCUMENT_SCHEMA))
+        )
         | "WriteCurated"
         >> WritePartitioned(
-            storage.join(run.output, "curated"),
+            run.output,
             ".parquet",
             lambda path, rows: write_parquet(path, rows, DOCUMENT_SCHEMA),
             lambda row: row["id"],
             doc_bytes,
             target,
         )
-        | "CuratedFolder" >> beam.Map(lambda written: ("curated", written))
     )
     removed_files = (
         removed
         | "KeyByReason"
         >> beam.Map(
-            lambda d: (f"stage={_safe(d['stage'])}/reason={_safe(d['reason'])}", _row(d, REMOVED_SCHEMA))
+            lambda d: (
+                f"removed/stage={_safe(d['stage'])}/reason={_safe(d['reason'])}",
+                _row(d, REMOVED_SCHEMA),
+            )
         )
         | "WriteRemoved"
         >> WritePartitioned(
-            storage.join(run.output, "removed"),
+            run.output,
             ".parquet",
             lambda path, rows: write_parquet(path, rows, REMOVED_SCHEMA),
             lambda row: row["id"],
             doc_bytes,
             target,
         )
-        | "RemovedFolder" >> beam.Map(lambda written: ("removed", written))
     )
     rejected_files = (
         rejected
-        | "KeyRejected" >> beam.Map(lambda r: ("", {k: v for k, v in r.items() if k != "source"}))
+        | "KeyRejected" >> beam.Map(lambda r: ("rejected", {k: v for k, v in r.items() if k != "source"}))
         | "WriteRejected"
         >> WritePartitioned(
-            storage.join(run.output, "rejected"),
+            run.output,
             ".jsonl.zst",
             write_jsonl_zst,
             lambda r: f"{r['file']}\x00{r['line'] or 0:012d}\x00{r['offset'] or 0:015d}",
             lambda r: len(r.get("raw") or r.get("raw_base64") or "") + 256,
             target,
         )
-        | "RejectedFolder" >> beam.Map(lambda written: ("rejected", written))
     )
 
     outcome_stats = (

@@ -1,7 +1,7 @@
 """Deterministic, size-bounded, atomic writers for partitioned output (curated/, removed/, rejected/).
 
-Records are grouped by partition (a relative folder such as `domain=web/quality=3`). Each partition's
-byte total decides its file count m = ceil(bytes / target_file_bytes); a record goes to file
+Records are grouped by partition (a folder relative to the output, such as
+`curated/domain=web/quality=3`). Each partition's byte total decides its file count m = ceil(bytes / target_file_bytes); a record goes to file
 hash(record key) mod m, and each file is sorted by record key before it is written, so the same input
 gives the same bytes whatever the worker count or the order of arrival. Every one of the m files is
 written (an empty one if no record hashed there), each atomically, named `part-<n>-of-<m>`.
@@ -72,18 +72,15 @@ class _WriteFile(beam.DoFn):
     def process(self, element: tuple[tuple[str, int, int], Iterable[dict | None]]):
         (partition, index, count), records = element
         rows = sorted((record for record in records if record is not None), key=self.record_key)
-        relative = (
-            f"{partition}/{part_name(index, count, self.suffix)}"
-            if partition
-            else part_name(index, count, self.suffix)
-        )
+        relative = f"{partition}/{part_name(index, count, self.suffix)}"
         self.write(storage.join(self.output_dir, relative), rows)
         self.files_written.inc()
         yield relative, len(rows)
 
 
 class WritePartitioned(beam.PTransform):
-    """Write (partition, record) pairs as size-bounded files; outputs (relative path, rows) per file."""
+    """Write (partition, record) pairs as size-bounded files; outputs (path relative to the output, rows)
+    per file."""
 
     def __init__(
         self,
