@@ -1,9 +1,10 @@
 """Deterministic, size-bounded, atomic writers for partitioned output (curated/, removed/, rejected/).
 
 Records are grouped by partition (a folder relative to the output, such as
-`curated/domain=web/quality=3`). Each partition's byte total decides its file count m = ceil(bytes / target_file_bytes); a record goes to file
-hash(record key) mod m, and each file is sorted by record key before it is written, so the same input
-gives the same bytes whatever the worker count or the order of arrival. Every one of the m files is
+`curated/domain=web/quality=3`). Each partition's byte total decides its file count
+m = ceil(bytes / target_file_bytes); a record goes to file hash(record key) mod m, and each file is sorted
+by record key before it is written, so the same input gives the same bytes whatever the worker count or
+the order of arrival. Every one of the m files is
 written (an empty one if no record hashed there), each atomically, named `part-<n>-of-<m>`.
 
 At scale every file is one group on one worker: with the default 256 MB target a group fits in memory.
