@@ -531,3 +531,23 @@ def _write_run(run: Path, plan: dict[str, Any], *, steps: int, layers: int, expe
     }
     (run / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return run
+
+
+def report_args(inputs: ReportInputs, output: Path, *extra: str, run: bool = True) -> list[str]:
+    """`tokenmill report` arguments for these inputs (with the run page unless run=False)."""
+    args = [
+        "report",
+        "--curated",
+        str(inputs.curate),
+        "--tokens",
+        str(inputs.tokens),
+        "--plan",
+        str(inputs.plan),
+        "--previous-plan",
+        str(inputs.previous_plan),
+        "--output",
+        str(output),
+    ]
+    if run:
+        args += ["--run", str(inputs.run)]
+    return args + list(extra)

@@ -24,31 +24,12 @@ from tokenmill.reports.plans import cell_allocation, diff_plans, validate_plan
 from tokenmill.reports.site import build_site
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report_fixtures import HOSTILE_DOMAIN, ReportInputs, make_report_inputs  # noqa: E402
+from report_fixtures import HOSTILE_DOMAIN, ReportInputs, make_report_inputs, report_args  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> ReportInputs:
     return make_report_inputs(tmp_path_factory.mktemp("report-inputs"))
-
-
-def report_args(inputs: ReportInputs, output: Path, *extra: str, run: bool = True) -> list[str]:
-    args = [
-        "report",
-        "--curated",
-        str(inputs.curate),
-        "--tokens",
-        str(inputs.tokens),
-        "--plan",
-        str(inputs.plan),
-        "--previous-plan",
-        str(inputs.previous_plan),
-        "--output",
-        str(output),
-    ]
-    if run:
-        args += ["--run", str(inputs.run)]
-    return args + list(extra)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from tokenmill.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report_fixtures import ReportInputs, make_report_inputs  # noqa: E402
+from report_fixtures import ReportInputs, make_report_inputs, report_args  # noqa: E402
 
 pytestmark = pytest.mark.browser
 
@@ -37,17 +37,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> ReportInputs:
 @pytest.fixture(scope="module")
 def site(inputs: ReportInputs, tmp_path_factory: pytest.TempPathFactory) -> Path:
     output = tmp_path_factory.mktemp("browser-site")
-    args = [
-        "report",
-        "--curated",
-        str(inputs.curate),
-        "--tokens",
-        str(inputs.tokens),
-        "--plan",
-        str(inputs.plan),
-    ]
-    args += ["--previous-plan", str(inputs.previous_plan), "--run", str(inputs.run), "--output", str(output)]
-    assert main(args) == 0
+    assert main(report_args(inputs, output)) == 0
     return output
 
 
