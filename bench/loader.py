@@ -10,11 +10,14 @@ rows a step (1M tokens: one host's share of a big batch).
 * cold: the shard files are dropped from the page cache first (fsync + posix_fadvise DONTNEED, on these
   files only, nothing else on the machine; with every memory map of them closed, as the kernel keeps
   mapped pages), then `--cold-tokens` are loaded; each side is timed from cold `--repeats` times,
-  alternating, and the medians compared. Sides: the sampler as the trainer gets it (read-ahead and a
-  prefetch thread), the sampler on the caller's thread alone (no read-ahead, no prefetch), the sampler
-  with the block shuffle, and the sequential read.
+  alternating, and the medians compared. Sides: the sampler as the trainer gets it (`reader="auto"`:
+  direct reads where the system allows them; read-ahead and a prefetch thread), the same on the
+  caller's thread alone, the sampler through memory maps (`reader="mmap"`), the sampler with the block
+  shuffle, and the sequential read. For reference, the disk's random-read ceiling: the same windows'
+  reads handed to a `DirectReader` all at once, with no sampling work (what no sampler can beat).
 * warm: every page is in memory; `--warm-seconds` of batches, on the caller's thread alone (the one-core
-  target) and as the trainer gets it.
+  target) and as the trainer gets it, for both readers (direct reads do not use the page cache, so
+  their warm rate is their cold one).
 
 Numbers depend on the disk and on whatever else runs. Run it niced.
 
@@ -150,6 +153,41 @@ def cold_sampler(tokens_dir: Path, plan: dict, first_step: int, steps: int, **op
         gc.collect()
 
 
+def cold_random_reads(tokens_dir: Path, plan: dict, first_step: int, steps: int) -> tuple[int, float] | None:
+    """The disk's random-read ceiling: the staged reads of the sampler's windows for these steps, all
+    handed to one DirectReader at once (no sampling, no copying out), from an empty page cache. None
+    where direct reads are unavailable."""
+    from tokenmill.trainer.direct_io import DirectIOUnavailable, DirectReader, aligned_buffer
+    from tokenmill.trainer.sampler import MixtureSource
+
+    source = MixtureSource(plan, "pretraining", str(tokens_dir), 0, reader="mmap", prefetch_batches=0)
+    stream = source._stream
+    try:
+        reader = DirectReader()
+        for path in stream.paths:
+            reader.open(path)
+    except DirectIOUnavailable:
+        return None
+    batches = [
+        stream.staged_reads(source._begin(source.draws(s)), reader.align)
+        for s in range(first_step, first_step + steps)
+    ]
+    buffers = [aligned_buffer(reads.buffer_bytes) for reads in batches]
+    source.close()
+    del source
+    evict(tokens_dir)
+    start = time.perf_counter()
+    done = [
+        reader.submit(stream.paths, r.path_index, r.offsets, r.sizes, b, r.buffer_offsets, r.needed)
+        for r, b in zip(batches, buffers)
+    ]
+    for future in done:
+        future.result()
+    seconds = time.perf_counter() - start
+    reader.close()
+    return steps * len(batches[0].row_offsets) * stream.width, seconds
+
+
 def cold_sequential(tokens_dir: Path, tokens: int, piece: int) -> tuple[int, float]:
     """Read `tokens` front to back from fresh memory maps of the shards, `piece` tokens at a time, into an
     int32 buffer (the sampler's output type), from an empty page cache."""
@@ -198,9 +236,13 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=256, help="rows a step (default 256)")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument(
-        "--cold-tokens", type=int, default=48 << 20, help="tokens per cold run (default 48Mi)"
+        "--cold-tokens",
+        type=int,
+        default=128 << 20,
+        help="tokens per cold run (default 128Mi: long enough that the first batch's wait and the "
+        "read-ahead still in flight at the end, which a training run has once, are small against it)",
     )
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="cold runs per side (default 5)")
     parser.add_argument("--warm-seconds", type=float, default=3.0)
     args = parser.parse_args()
 
@@ -230,38 +272,56 @@ def main() -> int:
 
         # Cold: alternate the sides, each from an empty page cache, on other steps each time.
         helpers_off = {"readahead_tokens": 0, "prefetch_batches": 0}
-        shuffled = {"block_shuffle": BlockShuffle()}
-        runs: dict[str, list[float]] = {
-            "sampler": [],
-            "sampler_one_thread": [],
-            "sampler_block_shuffle": [],
-            "sequential": [],
+        sides = {
+            "sampler": {},
+            "sampler_one_thread": helpers_off,
+            "sampler_mmap": {"reader": "mmap"},
+            "sampler_block_shuffle": {"block_shuffle": BlockShuffle()},
         }
+        runs: dict[str, list[float]] = {name: [] for name in [*sides, "sequential", "random_read_ceiling"]}
+        reader = MixtureSource(plan, "pretraining", str(tokens_dir), seed=0).reader
         for repeat in range(args.repeats):
-            tokens, seconds = cold_sampler(tokens_dir, plan, repeat * cold_steps, cold_steps)
-            runs["sampler"].append(tokens / seconds)
-            if repeat == 0:
-                evict(tokens_dir)
-                print(f"after eviction {resident_fraction(tokens_dir):.1%} of the shard pages are in memory")
-            first = (args.repeats + repeat) * cold_steps
-            more, seconds = cold_sampler(tokens_dir, plan, first, cold_steps, **helpers_off)
-            runs["sampler_one_thread"].append(more / seconds)
-            first = (2 * args.repeats + repeat) * cold_steps
-            more, seconds = cold_sampler(tokens_dir, plan, first, cold_steps, **shuffled)
-            runs["sampler_block_shuffle"].append(more / seconds)
+            for n, (name, options) in enumerate(sides.items()):
+                first = (n * args.repeats + repeat) * cold_steps
+                tokens, seconds = cold_sampler(tokens_dir, plan, first, cold_steps, **options)
+                runs[name].append(tokens / seconds)
+                if repeat == 0 and n == 0:
+                    evict(tokens_dir)
+                    print(
+                        f"after eviction {resident_fraction(tokens_dir):.1%} of the shard pages are in memory"
+                    )
             done, seconds = cold_sequential(tokens_dir, tokens, batch_tokens)
             runs["sequential"].append(done / seconds)
+            ceiling = cold_random_reads(
+                tokens_dir, plan, (len(sides) * args.repeats + repeat) * cold_steps, cold_steps
+            )
+            if ceiling is not None:
+                runs["random_read_ceiling"].append(ceiling[0] / ceiling[1])
+        runs = {name: values for name, values in runs.items() if values}
         median = {name: statistics.median(values) for name, values in runs.items()}
         print(f"cold, {cold_steps * batch_tokens / 1e6:.1f}M tokens a run, median of {args.repeats} (runs):")
         for name, values in runs.items():
             each = ", ".join(f"{x / 1e6:.1f}M" for x in values)
             print(f"  {name:22s} {median[name] / 1e6:8.1f}M tokens/s  ({each})")
+        print(f"  (sampler: {reader} reads; the ceiling: the same reads, all queued at once, no sampling)")
+        if "random_read_ceiling" in median:
+            ceiling = median["random_read_ceiling"]
+            print(
+                f"cold sampler at {median['sampler'] / ceiling:.2f} of the disk's random-read ceiling, "
+                f"which is {ceiling / median['sequential']:.2f} of the sequential read"
+            )
 
         # Warm: everything in memory. The target is for one core: no helper threads.
         tokens, seconds = warm_sequential(tokens_dir, batch_tokens)
         sequential_warm = tokens / seconds
         warm = {}
-        for name, options in (("sampler_one_thread", helpers_off), ("sampler", {})):
+        warm_sides = {
+            "sampler_one_thread": helpers_off,
+            "sampler": {},
+            "sampler_mmap_one_thread": {"reader": "mmap", **helpers_off},
+            "sampler_mmap": {"reader": "mmap"},
+        }
+        for name, options in warm_sides.items():
             source = MixtureSource(plan, "pretraining", str(tokens_dir), seed=0, **options)
             sampler_run(source, 0, 3)
             steps, tokens, seconds = 0, 0, 0.0
@@ -271,13 +331,13 @@ def main() -> int:
             source.close()
             warm[name] = tokens / seconds
             print(
-                f"warm: {name:20s} {warm[name] / 1e6:8.1f}M tokens/s ({steps} batches of {batch_tokens:,} "
+                f"warm: {name:24s} {warm[name] / 1e6:8.1f}M tokens/s ({steps} batches of {batch_tokens:,} "
                 f"tokens, {seconds / steps * 1e3:.2f} ms a batch)"
             )
-        print(f"warm: {'sequential':20s} {sequential_warm / 1e6:8.1f}M tokens/s")
+        print(f"warm: {'sequential':24s} {sequential_warm / 1e6:8.1f}M tokens/s")
         one_core = warm["sampler_one_thread"]
         print(
-            f"warm sampler {one_core / 1e6:.1f}M tokens/s on one core (no helper threads): "
+            f"warm sampler {one_core / 1e6:.1f}M tokens/s on one core (no helper threads, {reader} reads): "
             f"{'meets' if one_core >= WARM_TARGET else 'MISSES'} the {WARM_TARGET / 1e6:.0f}M target"
         )
         ratio = median["sampler"] / median["sequential"]

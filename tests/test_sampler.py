@@ -6,6 +6,7 @@ counts.json by the tokenize writer's own functions, and plans by the real planne
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections import Counter
@@ -21,16 +22,17 @@ from tokenmill.tokenize.shards import ShardError
 from tokenmill.tokenize.tokenizer import TokenizerInfo
 from tokenmill.tokenize.writer import write_counts, write_manifest, write_shard
 from tokenmill.trainer.data import BatchSource, check_source, segments_from_eos
+from tokenmill.trainer.direct_io import DirectIOUnavailable, DirectReader
 from tokenmill.trainer.sampler import (
     BlockShuffle,
     MixtureSource,
     _granular_permute,
-    advise,
     derive_key,
     mix64,
     permute,
     segment_ids,
 )
+from tokenmill.trainer.windows import advise, open_reads
 
 SHA = "a" * 64
 EOS = 0
@@ -387,9 +389,17 @@ def test_vectorized_draws_equal_each_sources_own_windows(plan, tokens_dir):
         assert np.array_equal(draws["window"][mine], src.windows(draws["draw"][mine]))
 
 
-def test_readahead_and_prefetch_change_no_batch(plan, tokens_dir):
-    plain = MixtureSource(plan, "pretraining", tokens_dir, 3, readahead_tokens=0, prefetch_batches=0)
-    busy = MixtureSource(plan, "pretraining", tokens_dir, 3, readahead_tokens=1 << 20, prefetch_batches=3)
+@pytest.mark.parametrize("reader", ["mmap", "direct"])
+def test_readahead_and_prefetch_change_no_batch(plan, tokens_dir, reader, request):
+    if reader == "direct":
+        request.getfixturevalue("direct_reads")
+    plain = MixtureSource(
+        plan, "pretraining", tokens_dir, 3, reader=reader, readahead_tokens=0, prefetch_batches=0
+    )
+    busy = MixtureSource(
+        plan, "pretraining", tokens_dir, 3, reader=reader, readahead_tokens=1 << 20, prefetch_batches=3
+    )
+    assert plain.reader == busy.reader == reader
     assert plain.readahead_batches == 0 and busy.readahead_batches > 0
     # In order, then jumps back and forward (a resume), then in order again.
     for step in [*range(12), 4, 5, 30, 31, 32, 2, 3, 4, 5, 6]:
@@ -400,6 +410,98 @@ def test_readahead_and_prefetch_change_no_batch(plan, tokens_dir):
     busy.close()
     assert np.array_equal(busy.batch(40).tokens, plain.batch(40).tokens)  # still works without helpers
     busy.close()
+
+
+@pytest.fixture(scope="module")
+def direct_reads(tokens_dir) -> None:
+    """Skips where this system or the test directory's filesystem refuses O_DIRECT with native AIO."""
+    try:
+        reader = DirectReader()
+        try:
+            reader.open(next(Path(tokens_dir).rglob("*.bin")).as_posix())
+        finally:
+            reader.close()
+    except DirectIOUnavailable as error:
+        pytest.skip(f"direct reads are not available here: {error}")
+
+
+def spans_a_shard(source: MixtureSource, where) -> np.ndarray:
+    """Which rows' windows span two shards (read in two pieces)."""
+    begin = source._begin(where)
+    stream = source._stream
+    part = np.searchsorted(stream.starts, begin, side="right") - 1
+    return begin + stream.width > stream.starts[part + 1]
+
+
+@pytest.mark.parametrize("shuffle", [None, BlockShuffle(4, 2)], ids=["uniform", "block_shuffle"])
+def test_direct_reads_give_the_batches_of_the_memory_maps(plan, tokens_dir, direct_reads, shuffle):
+    spanning = 0
+    for phase in plan["phases"]:
+        name = phase["name"]
+        mapped = MixtureSource(plan, name, tokens_dir, 5, reader="mmap", block_shuffle=shuffle)
+        direct = MixtureSource(plan, name, tokens_dir, 5, reader="direct", block_shuffle=shuffle)
+        alone = MixtureSource(
+            plan,
+            name,
+            tokens_dir,
+            5,
+            reader="direct",
+            block_shuffle=shuffle,
+            readahead_tokens=0,
+            prefetch_batches=0,
+        )
+        assert (mapped.reader, direct.reader, alone.reader) == ("mmap", "direct", "direct")
+        assert "direct reads" in repr(direct)
+        for step in [*range(direct.steps), 3, 2, direct.steps + 5]:
+            a, b, c = mapped.batch(step), direct.batch(step), alone.batch(step)
+            assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.tokens, c.tokens)
+            assert np.array_equal(a.segment_ids, b.segment_ids)
+            spanning += int(spans_a_shard(direct, direct.draws(step)).sum())
+        for source in (mapped, direct, alone):
+            source.close()
+    assert spanning > 0  # windows that span two shards were read in pieces
+
+
+def test_staged_reads_are_aligned_and_merge_neighbouring_windows(plan, tokens_dir):
+    source = MixtureSource(plan, "pretraining", tokens_dir, 0, reader="mmap")
+    stream = source._stream
+    length, width = stream.sequence_length, stream.width
+    everything = stream.read(0, stream.num_tokens)
+    rng = np.random.default_rng(0)
+    # Every window once (neighbours touch: merged), a window twice, and windows across shard boundaries.
+    begin = np.concatenate([np.arange(stream.num_windows) * length, [length * 7]])
+    for align in (512, 4096):
+        for windows in (begin, rng.permutation(begin)[:40]):
+            reads = stream.staged_reads(windows, align)
+            assert (reads.offsets % align == 0).all() and (reads.sizes % align == 0).all()
+            assert (reads.buffer_offsets % 4096 == 0).all() and reads.buffer_bytes % 4096 == 0
+            assert (reads.needed <= reads.sizes).all()
+            if windows is begin:
+                assert len(reads.offsets) < len(stream.paths) * 2  # contiguous windows: one read a shard
+                assert len(reads.pieces) == len(stream.paths) - 1  # one window spans each boundary
+            # Do the reads with plain preads, then gather.
+            buffer = np.zeros(reads.buffer_bytes, dtype=np.uint8)
+            for i in range(len(reads.offsets)):
+                with open(stream.paths[reads.path_index[i]], "rb") as handle:
+                    data = os.pread(handle.fileno(), int(reads.sizes[i]), int(reads.offsets[i]))
+                assert len(data) >= reads.needed[i]
+                at = int(reads.buffer_offsets[i])
+                buffer[at : at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            out = np.empty((len(windows), width), dtype=np.int32)
+            stream.gather_staged(reads, buffer, out)
+            expected = np.stack([everything[b : b + width] for b in windows.tolist()])
+            assert np.array_equal(out, expected)
+
+
+def test_auto_falls_back_to_memory_maps_where_o_direct_is_refused(plan, tokens_dir, direct_reads):
+    stream = copy.copy(MixtureSource(plan, "pretraining", tokens_dir, 0, reader="mmap")._stream)
+    # procfs refuses O_DIRECT, as some FUSE filesystems do.
+    stream.paths = [*stream.paths[:-1], "/proc/self/status"]
+    assert open_reads(stream, "auto", helpers=False).kind == "mmap"
+    with pytest.raises(DirectIOUnavailable, match="/proc/self/status"):
+        open_reads(stream, "direct", helpers=False)
+    with pytest.raises(ValueError, match="reader 'fast'"):
+        open_reads(stream, "fast", helpers=False)
 
 
 def test_byte_ranges_cover_the_windows(plan, tokens_dir):

@@ -74,6 +74,11 @@ def test_train_on_a_mixture_from_the_command_line(tmp_path, capsys):
     config = json.loads((run / "config.json").read_text())
     assert config["plan"]["tokenizer_sha256"] == "a" * 64 and config["train"]["batch_size"] == 8
     assert (run / "checkpoints" / "12").is_dir()
+    # Read through memory maps instead of direct reads: the same batches, so the same losses.
+    mapped = tmp_path / "mapped"
+    argv_mapped = [*argv[:5], "--output", str(mapped), "--peak-flops", "1e9", "--lr", "1e-2"]
+    assert main([*argv_mapped, "--steps", "3", "--reader", "mmap"]) == 0
+    assert [row["loss"] for row in read_metrics(mapped)] == [row["loss"] for row in rows[:3]]
     # Fail fast, before any compiling: shards from another tokenizer than the one asked for...
     assert main([*argv, "--steps", "13", "--tokenizer-sha256", "b" * 64]) == 2
     assert "tokenizer sha256" in capsys.readouterr().err

@@ -104,6 +104,14 @@ def _register_train(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--phase", default="pretraining", help="phase to train (default: pretraining)")
     data.add_argument("--synthetic", action="store_true", help="train on synthetic data (no shards needed)")
     data.add_argument("--tokenizer-sha256", help="refuse shards made with any other tokenizer")
+    data.add_argument(
+        "--reader",
+        choices=["auto", "direct", "mmap"],
+        default="auto",
+        help="how windows are read from the shards: direct (O_DIRECT with native AIO, for data larger "
+        "than memory), mmap (memory maps and the page cache), or auto: direct where the system allows "
+        "it (default: auto; no batch depends on it)",
+    )
 
     run = parser.add_argument_group("run")
     run.add_argument("--model", required=True, help="model shape, configs/models/*.yaml")
@@ -287,7 +295,9 @@ def _mixture_source(plan: dict, args: argparse.Namespace, process_index: int, pr
     if not args.tokens_dir:
         raise UsageError("training on a mixture needs --tokens (the token shards directory)")
     try:
-        return MixtureSource(plan, args.phase, args.tokens_dir, args.seed, process_index, process_count)
+        return MixtureSource(
+            plan, args.phase, args.tokens_dir, args.seed, process_index, process_count, reader=args.reader
+        )
     except (ValueError, OSError) as error:
         raise UsageError(f"cannot read the mixture's token shards: {error}") from error
 

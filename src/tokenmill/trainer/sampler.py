@@ -21,7 +21,9 @@ process's rows of global batch `step` of a phase (docs/sampler.md). Three layers
 
 Batch `step` is rows [step x batch_size, (step + 1) x batch_size) of the phase's sequences, this process
 taking its `process_rows`. Nothing is carried from one call to the next: resuming needs only the step.
-An optional block shuffle (`BlockShuffle`, off by default) trades uniformity for contiguous reads.
+An optional block shuffle (`BlockShuffle`, off by default) trades uniformity for contiguous reads. How the
+windows are read from the shards (O_DIRECT or memory maps, ahead on helper threads) is
+`tokenmill.trainer.windows`; it changes no batch.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -39,12 +41,15 @@ import numpy as np
 
 from tokenmill.tokenize.shards import ShardError, TokenCatalog, TokenShards
 from tokenmill.trainer.data import Batch, process_rows
+from tokenmill.trainer.windows import WindowStream, open_reads
 
 log = logging.getLogger(__name__)
 
 FEISTEL_ROUNDS = 6
-# Announce windows this many of the process's tokens ahead (64 MB of uint16), at most so many batches.
-DEFAULT_READAHEAD_TOKENS = 32 << 20
+# Request windows this many of the process's tokens ahead, at most so many batches. Announcing to the
+# page cache costs no memory of ours (64 MB of uint16 ahead); direct reads hold their staging buffers, and
+# a few batches ahead keep the disk's queue full.
+DEFAULT_READAHEAD_TOKENS = {"mmap": 32 << 20, "direct": 4 << 20}
 READAHEAD_MAX_BATCHES = 64
 # Batches assembled ahead on a helper thread: the next one is ready when the trainer asks for it.
 DEFAULT_PREFETCH_BATCHES = 2
@@ -214,107 +219,6 @@ class BlockShuffle:
         return out
 
 
-# --- a source's windows ---------------------------------------------------------------------------------
-
-
-class WindowStream:
-    """Cells' shards as one token stream cut into windows of L + 1 tokens at stride L (no padding).
-
-    Windows are gathered straight from the memory maps: those inside one shard in a single fancy-index
-    over a sliding-window view of the shard (C speed, no per-window Python), the few that span two
-    shards piece by piece. `byte_ranges` names the bytes of windows for `advise`, which asks the kernel
-    to start reading them: random windows from a cold page cache are otherwise read one page fault at a
-    time, each waiting for the disk; announced ahead, their reads overlap.
-    """
-
-    def __init__(self, cells: Sequence[TokenShards], sequence_length: int) -> None:
-        if sequence_length < 1:
-            raise ValueError(f"sequence length {sequence_length} must be positive")
-        self.sequence_length = sequence_length
-        self.width = sequence_length + 1
-        self.parts: list[np.ndarray] = []
-        self.paths: list[str] = []
-        starts = [0]
-        for cell in cells:
-            offset = 0
-            for shard in cell.shards:
-                tokens = int(shard["tokens"])
-                if tokens:
-                    # A view of the shard's memory map (no copy): tokens() stays inside one shard here.
-                    self.parts.append(cell.tokens(offset, offset + tokens))
-                    self.paths.append(os.path.join(cell.path, shard["name"] + ".bin"))
-                    starts.append(starts[-1] + tokens)
-                offset += tokens
-        self.starts = np.array(starts, dtype=np.int64)
-        self.num_tokens = int(self.starts[-1])
-        self.num_windows = max(0, (self.num_tokens - 1) // sequence_length)
-        self._views = [
-            np.lib.stride_tricks.sliding_window_view(part, self.width) if len(part) >= self.width else None
-            for part in self.parts
-        ]
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the stream, across shard boundaries."""
-        first = int(np.searchsorted(self.starts, start, side="right")) - 1
-        pieces = []
-        part = first
-        while start < stop:
-            base = int(self.starts[part])
-            end = min(stop, int(self.starts[part + 1]))
-            pieces.append(self.parts[part][start - base : end - base])
-            start = end
-            part += 1
-        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-
-    def byte_ranges(self, windows: np.ndarray) -> list[tuple[str, list[int], list[int]]]:
-        """The windows' bytes as (shard file, starts, stops): sorted, overlapping and adjacent ones merged."""
-        return self.byte_ranges_at(np.asarray(windows, dtype=np.int64) * self.sequence_length)
-
-    def byte_ranges_at(self, begin: np.ndarray) -> list[tuple[str, list[int], list[int]]]:
-        """byte_ranges of the L + 1 tokens from each stream offset in `begin`."""
-        if not len(begin):
-            return []
-        begin = np.sort(begin)
-        end = begin + self.width
-        first = np.searchsorted(self.starts, begin, side="right") - 1
-        last = np.searchsorted(self.starts, end - 1, side="right") - 1
-        ranges = []
-        for part in np.unique(np.concatenate([first, last])).tolist():
-            keep = (first <= part) & (last >= part)
-            itemsize = self.parts[part].itemsize
-            lo = (np.maximum(begin[keep], self.starts[part]) - self.starts[part]) * itemsize
-            hi = (np.minimum(end[keep], self.starts[part + 1]) - self.starts[part]) * itemsize
-            # Sorted by start: a range opens a new one where it starts past every earlier range's end.
-            reach = np.maximum.accumulate(hi)
-            opens = np.concatenate([[True], lo[1:] > reach[:-1]])
-            stops = reach[np.concatenate([np.flatnonzero(opens)[1:] - 1, [len(lo) - 1]])]
-            ranges.append((self.paths[part], lo[opens].tolist(), stops.tolist()))
-        return ranges
-
-    def gather(self, windows: np.ndarray, out: np.ndarray, rows: np.ndarray) -> None:
-        """Write window windows[i] into out[rows[i]] (out: [n, L + 1], any integer dtype)."""
-        self.gather_at(np.asarray(windows, dtype=np.int64) * self.sequence_length, out, rows)
-
-    def gather_at(self, begin: np.ndarray, out: np.ndarray, rows: np.ndarray) -> None:
-        """Write the L + 1 tokens from stream offset begin[i] into out[rows[i]]."""
-        # In stream order: the memory maps are then read forward, which the kernel's readahead likes.
-        order = np.argsort(begin, kind="stable")
-        begin, rows = begin[order], np.asarray(rows)[order]
-        part = np.searchsorted(self.starts, begin, side="right") - 1
-        local = begin - self.starts[part]
-        inside = local + self.width <= self.starts[part + 1] - self.starts[part]
-        within = np.flatnonzero(inside)
-        if within.size:
-            # `part` is sorted, so each shard's windows are one run.
-            parts, firsts = np.unique(part[within], return_index=True)
-            bounds = [*firsts.tolist(), within.size]
-            for p, lo, hi in zip(parts.tolist(), bounds[:-1], bounds[1:], strict=True):
-                sel = within[lo:hi]
-                out[rows[sel]] = self._views[p][local[sel]]
-        for i in np.flatnonzero(~inside).tolist():
-            out[rows[i]] = self.read(int(begin[i]), int(begin[i]) + self.width)
-
-
 @dataclass
 class SampledSource:
     """One source of the phase: its windows and how its draws map to them."""
@@ -389,11 +293,13 @@ class MixtureSource:
     plan_json: the plan (`tokenmill mixture plan --json`, or `Plan.to_json()`); phase: the phase's name;
     tokens_dir: the token shards (with counts.json); seed: keys every permutation; process_index and
     process_count: this process's slice of each batch (`process_rows`). block_shuffle: None (uniform, the
-    default) or a `BlockShuffle`. readahead_tokens: how far ahead of the batch asked for to announce
-    windows to the kernel (posix_fadvise WILLNEED), in this process's tokens, at most
-    READAHEAD_MAX_BATCHES batches; 0 turns it off. prefetch_batches: batches after the one asked for that a
-    helper thread assembles meanwhile (0: none, everything on the caller's thread). Neither changes any
-    batch: batch(step) is the same function of the step with or without them.
+    default) or a `BlockShuffle`. reader: "auto" (direct reads where O_DIRECT works, else memory maps),
+    "direct" or "mmap" (`tokenmill.trainer.windows`). readahead_tokens: how far ahead of the batch asked
+    for to start reading windows, in this process's tokens (default: DEFAULT_READAHEAD_TOKENS of the
+    reader), at most READAHEAD_MAX_BATCHES batches; 0 turns it off. prefetch_batches: batches after the
+    one asked for that a helper thread assembles meanwhile (0: none; with readahead_tokens=0 too,
+    everything runs on the caller's thread). None of these changes any batch: batch(step) is the same
+    function of the step with or without them.
     Raises ValueError (ShardError for the shards) when the plan and the shards do not fit together: an
     unknown phase or cell, a source with no windows, mixed tokenizers. One caller thread at a time.
     """
@@ -408,7 +314,8 @@ class MixtureSource:
         process_count: int = 1,
         *,
         block_shuffle: BlockShuffle | None = None,
-        readahead_tokens: int = DEFAULT_READAHEAD_TOKENS,
+        reader: str = "auto",
+        readahead_tokens: int | None = None,
         prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
     ) -> None:
         plan = plan_json
@@ -509,16 +416,19 @@ class MixtureSource:
         self._keys = np.array([s.key for s in self.sources], dtype=np.uint64)
         self._subset_keys = np.array([s.subset_key for s in self.sources], dtype=np.uint64)
         self._phase_key = derive_key(self.seed, "phase", phase)
+        self._reads = open_reads(self._stream, reader, helpers=readahead_tokens != 0)
+        self.reader = self._reads.kind
+        if readahead_tokens is None:
+            readahead_tokens = DEFAULT_READAHEAD_TOKENS[self.reader]
         row_tokens = len(self.rows) * (self.sequence_length + 1)
         self.readahead_batches = (
             min(READAHEAD_MAX_BATCHES, -(-readahead_tokens // row_tokens))
             if readahead_tokens > 0 and row_tokens
             else 0
         )
-        # Draws of the steps announced ahead, kept for when they are asked for (they are pure, so a cache).
+        # Draws of the steps requested ahead, kept for when they are asked for (they are pure, so a cache).
         self._ahead: dict[int, Draws] = {}
-        self._announced = -1
-        self._announcer = Announcer()
+        self._requested = -1
         self.prefetch_batches = max(0, int(prefetch_batches))
         self._pending: dict[int, Future[Batch]] = {}
         self._assembler: ThreadPoolExecutor | None = None
@@ -527,7 +437,8 @@ class MixtureSource:
         mix = ", ".join(f"{s.name} {s.block_sequences}/{self.block_size}" for s in self.sources)
         return (
             f"MixtureSource(phase {self.phase_name}, {self.batch_size} x {self.sequence_length + 1}, rows "
-            f"{self.rows.start}..{self.rows.stop - 1}, blocks of {self.block_size}: {mix})"
+            f"{self.rows.start}..{self.rows.stop - 1}, blocks of {self.block_size}: {mix}; "
+            f"{self.reader} reads)"
         )
 
     def draws(self, step: int) -> Draws:
@@ -574,25 +485,35 @@ class MixtureSource:
         self._prefetch(step)
         if pending is not None:
             return pending.result()
-        self._announcer.wait(step)
-        return self.assemble(where)
+        return self.assemble(where, self._reads.ticket(step))
 
-    def assemble(self, where: Draws) -> Batch:
-        """The batch of these draws: windows gathered from the shards, segment ids from end-of-text."""
+    def assemble(self, where: Draws, ticket: Any = None) -> Batch:
+        """The batch of these draws: windows read from the shards, segment ids from end-of-text.
+
+        `ticket`: the reads of these draws requested ahead (waited for here); None reads them now.
+        """
         tokens = np.empty((len(where.rows), self.sequence_length + 1), dtype=np.int32)
-        self._stream.gather_at(self._begin(where), tokens, np.arange(len(where.rows)))
+        self._reads.gather(ticket, self._begin(where), tokens)
         return Batch(tokens=tokens, segment_ids=segment_ids(tokens, self.eos_id))
 
     def _begin(self, where: Draws) -> np.ndarray:
         return self._base[where.source] + where.window * self.sequence_length
 
     def close(self) -> None:
-        """Stop the helper threads (they also stop when the source is garbage-collected)."""
+        """Stop the helper threads (also done when the source is garbage-collected). A later batch() works,
+        starting them again."""
         self._pending.clear()
-        self._announcer.close()
         if self._assembler is not None:
             self._assembler.shutdown(wait=True)
             self._assembler = None
+        self._reads.close()
+        self._requested = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the modules may be gone
+            pass
 
     def _draws_ahead(self, step: int) -> Draws:
         if step not in self._ahead:
@@ -611,114 +532,25 @@ class MixtureSource:
             self._assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-assemble")
         for ahead in range(step + 1, step + 1 + self.prefetch_batches):
             if ahead not in self._pending:
-                announced = self._announcer.future(ahead)
-                self._pending[ahead] = self._assembler.submit(
-                    self._assemble_after, announced, self._draws_ahead(ahead)
-                )
-
-    def _assemble_after(self, announced: Future[int] | None, where: Draws) -> Batch:
-        # Fault in no page before its read is requested: a fault on a page not yet in the page cache
-        # reads the whole read-ahead window of the disk around it (megabytes), not the window's pages.
-        if announced is not None:
-            wait([announced])
-        return self.assemble(where)
-
-    def _advise(self, step: int, where: Draws) -> None:
-        self._announcer.submit(step, self._stream.byte_ranges_at(self._begin(where)))
+                where = self._draws_ahead(ahead)
+                self._pending[ahead] = self._assembler.submit(self.assemble, where, self._reads.ticket(ahead))
 
     def _read_ahead(self, step: int, where: Draws) -> None:
-        """Announce the windows of the next readahead_batches steps, each once, so their reads overlap."""
+        """Request the windows of the next readahead_batches steps, each once, so their reads overlap."""
         for old in [s for s in self._ahead if s < step]:
             del self._ahead[old]
         if not self.readahead_batches:
             return
-        if not step <= self._announced <= step + self.readahead_batches:
+        if not step <= self._requested <= step + self.readahead_batches:
             # A first call, a resume or a jump: start over from this step.
             self._ahead.clear()
-            self._announcer.cancel()
-            self._advise(step, where)
-            self._announced = step
-        while self._announced < step + self.readahead_batches:
-            self._announced += 1
-            self._advise(self._announced, self._draws_ahead(self._announced))
-        self._announcer.forget(step)
-
-
-def advise(ranges: list[tuple[str, list[int], list[int]]]) -> int:
-    """Ask the kernel to start reading these byte ranges into the page cache (posix_fadvise WILLNEED).
-
-    Returns the number of ranges announced. It does not wait for the reads (though it can wait for room
-    in the disk's queue). Errors are ignored: it is only a hint, and gather() reads the pages either way.
-    MixtureSource calls it through an `Announcer`, on a helper thread.
-    """
-    announced = 0
-    for path, starts, stops in ranges:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            for start, stop in zip(starts, stops, strict=True):
-                os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_WILLNEED)
-                announced += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return announced
-
-
-class Announcer:
-    """Announces batches' byte ranges (`advise`) on one helper thread, step after step in the given order.
-
-    posix_fadvise(WILLNEED) queues its reads without waiting for them, but waits for room in the disk's
-    queue once that is full. Called on the caller's thread, announcing a batch far ahead therefore held
-    the batch asked for until the disk had finished nearly everything announced before: a cold run read
-    the read-ahead distance more than it used, all before returning. Here the caller only hands the
-    ranges over. Batches are assembled only once their own announcement is made (`wait`, or the
-    `future` passed to the assembler): a page faulted in before its read is queued makes the kernel read
-    around it (the disk's read-ahead, megabytes) instead of the window. One thread is enough: a single
-    announcing thread keeps the disk's queue full (more threads, or blocking reads from 16-128 threads,
-    read no faster on the development machine's disk; see docs/sampler.md, "Speed").
-    """
-
-    def __init__(self) -> None:
-        self._executor: ThreadPoolExecutor | None = None
-        self._announced: dict[int, Future[int]] = {}
-
-    def submit(self, step: int, ranges: list[tuple[str, list[int], list[int]]]) -> None:
-        """Announce step's ranges after all submitted before (the helper thread starts on first use)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-announce")
-        self._announced[step] = self._executor.submit(advise, ranges)
-
-    def future(self, step: int) -> Future[int] | None:
-        """Done when step's reads are queued; None when it was never announced (or is forgotten)."""
-        return self._announced.get(step)
-
-    def wait(self, step: int) -> None:
-        """Return once step's announcement is made (at once when it was never submitted or was cancelled)."""
-        announced = self._announced.get(step)
-        if announced is not None:
-            wait([announced])
-
-    def forget(self, step: int) -> None:
-        """Drop the bookkeeping of steps before `step`."""
-        for old in [s for s in self._announced if s < step]:
-            del self._announced[old]
-
-    def cancel(self) -> None:
-        """Drop every announcement not started yet (after a jump they are no longer wanted)."""
-        for announced in self._announced.values():
-            announced.cancel()
-        self._announced.clear()
-
-    def close(self) -> None:
-        """Cancel what is queued and stop the helper thread (a later submit starts a new one)."""
-        self.cancel()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+            self._reads.cancel()
+            self._reads.request(step, self._begin(where))
+            self._requested = step
+        while self._requested < step + self.readahead_batches:
+            self._requested += 1
+            self._reads.request(self._requested, self._begin(self._draws_ahead(self._requested)))
+        self._reads.forget(step)
 
 
 def _block_sequences(phase: dict[str, Any], block_size: int) -> list[int]:
