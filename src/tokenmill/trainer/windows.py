@@ -37,11 +37,10 @@ READERS = ("auto", "direct", "mmap")
 class WindowStream:
     """Cells' shards as one token stream cut into windows of L + 1 tokens at stride L (no padding).
 
-    Windows are gathered straight from the memory maps: those inside one shard in a single fancy-index
-    over a sliding-window view of the shard (C speed, no per-window Python), the few that span two
-    shards piece by piece. `byte_ranges` names the bytes of windows for `advise`, which asks the kernel
-    to start reading them: random windows from a cold page cache are otherwise read one page fault at a
-    time, each waiting for the disk; announced ahead, their reads overlap.
+    From the memory maps, `gather_at` copies the windows inside one shard with a single fancy index over
+    a sliding-window view of the shard (C speed, no per-window Python), the few that span two shards
+    piece by piece; `byte_ranges_at` names their bytes for `advise`. For direct reads, `staged_reads`
+    plans the reads that bring windows into a staging buffer and `gather_staged` copies them out.
     """
 
     def __init__(self, cells: Sequence[TokenShards], sequence_length: int) -> None:
