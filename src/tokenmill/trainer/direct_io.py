@@ -117,7 +117,8 @@ class DirectReader:
         self._context = ctypes.c_ulong(0)
         if self._libc.syscall(self._setup, ctypes.c_long(self.queue_depth), ctypes.byref(self._context)) != 0:
             code = ctypes.get_errno()
-            raise DirectIOUnavailable(code, f"io_setup refused: {os.strerror(code)}")
+            hint = " (the system's fs.aio-max-nr is reached)" if code == errno.EAGAIN else ""
+            raise DirectIOUnavailable(code, f"io_setup refused: {os.strerror(code)}{hint}")
         self.align = 0
         self._fds: dict[str, int] = {}
         self._events = np.zeros(self.queue_depth, dtype=_EVENT)
