@@ -295,11 +295,13 @@ def _mixture_source(plan: dict, args: argparse.Namespace, process_index: int, pr
     if not args.tokens_dir:
         raise UsageError("training on a mixture needs --tokens (the token shards directory)")
     try:
-        return MixtureSource(
+        source = MixtureSource(
             plan, args.phase, args.tokens_dir, args.seed, process_index, process_count, reader=args.reader
         )
     except (ValueError, OSError) as error:
         raise UsageError(f"cannot read the mixture's token shards: {error}") from error
+    log.info("data: %r", source)
+    return source
 
 
 def _expected_tokenizer_sha256(plan: dict, args: argparse.Namespace) -> str | None:
