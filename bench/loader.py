@@ -188,30 +188,40 @@ def cold_random_reads(tokens_dir: Path, plan: dict, first_step: int, steps: int)
     return steps * len(batches[0].row_offsets) * stream.width, seconds
 
 
-def cold_sequential(tokens_dir: Path, tokens: int, piece: int) -> tuple[int, float]:
-    """Read `tokens` front to back from fresh memory maps of the shards, `piece` tokens at a time, into an
-    int32 buffer (the sampler's output type), from an empty page cache.
+def cold_sequential(tokens_dir: Path, tokens: int, piece: int, first: int = 0) -> tuple[int, float]:
+    """Read `tokens` front to back from fresh memory maps of the shards, from stream offset `first` on
+    (wrapping round at the end), `piece` tokens at a time, into an int32 buffer (the sampler's output
+    type), from an empty page cache.
 
-    The maps are marked MADV_SEQUENTIAL, as a sequential reader's should be (the kernel then reads
-    further ahead on each fault), so that the baseline is the disk's sequential rate, not fault latency."""
+    Each run starts where the last one stopped, as each sampler run draws other steps: re-reading the
+    same stretch ran twice as fast on the development machine's virtual disk, the host's cache under it
+    still holding it. The maps are marked MADV_SEQUENTIAL, as a sequential reader's should be (the kernel
+    then reads further ahead on each fault), so that the baseline is the disk's rate, not fault latency."""
     evict(tokens_dir)
     maps = [np.memmap(path, dtype="<u2", mode="r") for path in bin_files(tokens_dir)]
     for part in maps:
         part._mmap.madvise(mmap.MADV_SEQUENTIAL)
+    # The stream from `first`: the rest of the map it falls in, the maps after it, then round again.
+    ends = np.cumsum([len(part) for part in maps])
+    first %= int(ends[-1])
+    at = int(np.searchsorted(ends, first, side="right"))
+    offset = first - (int(ends[at - 1]) if at else 0)
+    stretches = [maps[at][offset:], *maps[at + 1 :], *maps[:at], maps[at][:offset]]
     buffer = np.empty(piece, dtype=np.int32)
     done = 0
     start = time.perf_counter()
-    for part in maps:
-        for offset in range(0, len(part), piece):
-            chunk = part[offset : offset + min(piece, tokens - done)]
-            buffer[: len(chunk)] = chunk
-            done += len(chunk)
+    while done < tokens:
+        for part in stretches:
+            for offset in range(0, len(part), piece):
+                chunk = part[offset : offset + min(piece, tokens - done)]
+                buffer[: len(chunk)] = chunk
+                done += len(chunk)
+                if done >= tokens:
+                    break
             if done >= tokens:
                 break
-        if done >= tokens:
-            break
     seconds = time.perf_counter() - start
-    del maps, part, chunk
+    del maps, stretches, part, chunk
     gc.collect()
     return done, seconds
 
@@ -295,7 +305,7 @@ def main() -> int:
                     print(
                         f"after eviction {resident_fraction(tokens_dir):.1%} of the shard pages are in memory"
                     )
-            done, seconds = cold_sequential(tokens_dir, tokens, batch_tokens)
+            done, seconds = cold_sequential(tokens_dir, tokens, batch_tokens, first=repeat * tokens)
             runs["sequential"].append(done / seconds)
             ceiling = cold_random_reads(
                 tokens_dir, plan, (len(sides) * args.repeats + repeat) * cold_steps, cold_steps
