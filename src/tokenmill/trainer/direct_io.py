@@ -11,8 +11,8 @@ interface is four syscalls and two fixed structs, and the libaio C library is no
 O_DIRECT wants file offsets, lengths and buffer addresses aligned to the device's block size: `align`
 is probed on the first file (512 bytes, else 4,096) and `aligned_buffer` gives page-aligned memory.
 Linux on x86-64 and arm64 only. `DirectIOUnavailable` says why it cannot be used (another system, a
-seccomp profile without io_setup, a filesystem that refuses O_DIRECT such as tmpfs); the caller falls
-back to memory maps.
+seccomp profile without io_setup, a filesystem that refuses O_DIRECT such as some FUSE filesystems or
+tmpfs before Linux 6.6); the caller falls back to memory maps.
 """
 
 from __future__ import annotations
@@ -85,18 +85,30 @@ def _syscalls() -> tuple[ctypes.CDLL, tuple[int, int, int, int]]:
 
 
 class _Request:
-    """One `submit`: its iocbs (kept alive while the kernel holds pointers to them) and its future."""
+    """One `submit`: its iocbs and buffer (kept alive while the kernel holds pointers to them), its future.
 
-    def __init__(self, number: int, iocbs: np.ndarray, needed: np.ndarray, paths: list[str]) -> None:
+    `paths[path_index[i]]` is read i's file, looked up only to name it in an error.
+    """
+
+    def __init__(
+        self,
+        number: int,
+        iocbs: np.ndarray,
+        buffer: np.ndarray,
+        needed: np.ndarray,
+        paths: Sequence[str],
+        path_index: np.ndarray,
+    ) -> None:
         self.number = number
         self.iocbs = iocbs
         self.pointers = iocbs.ctypes.data + np.arange(len(iocbs), dtype=np.uint64) * _IOCB.itemsize
+        self.buffer = buffer
         self.needed = needed
         self.paths = paths
+        self.path_index = path_index
         self.submitted = 0
         self.remaining = len(iocbs)
         self.error: BaseException | None = None
-        self.buffer: np.ndarray | None = None
         self.future: Future[None] = Future()
 
 
@@ -180,8 +192,7 @@ class DirectReader:
             self._numbers += 1
             number = self._numbers
         iocbs["data"] = (np.uint64(number) << np.uint64(_INDEX_BITS)) | np.arange(count, dtype=np.uint64)
-        request = _Request(number, iocbs, np.asarray(needed, dtype=np.int64), [paths[i] for i in path_index])
-        request.buffer = buffer  # the kernel writes here: keep it alive until the reads are done
+        request = _Request(number, iocbs, buffer, np.asarray(needed, dtype=np.int64), paths, path_index)
         if count == 0:
             request.future.set_result(None)
         elif self._thread is not None:
@@ -318,7 +329,7 @@ class DirectReader:
             if short.size and request.error is None:
                 i, result = int(where[short[0]]), int(results[short[0]])
                 iocb = request.iocbs[i]
-                at = f"{request.paths[i]} at byte {int(iocb['offset'])}"
+                at = f"{request.paths[request.path_index[i]]} at byte {int(iocb['offset'])}"
                 if result < 0:
                     self._fail(request, OSError(-result, f"{at}: {os.strerror(-result)}"))
                 else:

@@ -9,7 +9,7 @@
   the disk's random-read limit, and the page cache is left alone.
 * `MappedReads`: gathered from the shards' memory maps, the windows of coming batches announced to the
   kernel ahead (`posix_fadvise(WILLNEED)`, on an `Announcer` thread) so that their reads overlap. Used
-  where O_DIRECT is refused (tmpfs, some FUSE filesystems, other systems) or asked for.
+  where O_DIRECT is refused (some FUSE filesystems, tmpfs before Linux 6.6, other systems) or asked for.
 
 A reads object serves one `MixtureSource`: `request(step, begin)` starts reading a batch's windows (the
 stream offsets `begin`), `ticket(step)` is what the assembler waits on, and `gather(ticket, begin, out)`
@@ -74,16 +74,18 @@ class WindowStream:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream, across shard boundaries."""
-        first = int(np.searchsorted(self.starts, start, side="right")) - 1
-        pieces = []
-        part = first
-        while start < stop:
-            base = int(self.starts[part])
-            end = min(stop, int(self.starts[part + 1]))
-            pieces.append(self.parts[part][start - base : end - base])
-            start = end
-            part += 1
+        pieces = [self.parts[part][first : first + count] for part, first, count in self.pieces(start, stop)]
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """Tokens [start, stop) of the stream as (shard, first token in it, tokens), shard by shard."""
+        pieces = []
+        part = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            end = min(stop, int(self.starts[part + 1]))
+            pieces.append((part, start - int(self.starts[part]), end - start))
+            start, part = end, part + 1
+        return pieces
 
     def byte_ranges(self, windows: np.ndarray) -> list[tuple[str, list[int], list[int]]]:
         """The windows' bytes as (shard file, starts, stops): sorted, overlapping and adjacent ones merged."""
@@ -154,7 +156,11 @@ class WindowStream:
         piece_row = rows
         spanning = np.flatnonzero(~inside)
         if spanning.size:
-            extra = [p for i in spanning.tolist() for p in self._pieces(int(begin[i]), i)]
+            extra = [
+                (*piece, i)
+                for i in spanning.tolist()
+                for piece in self.pieces(int(begin[i]), int(begin[i]) + self.width)
+            ]
             extra_part, extra_local, extra_count, extra_row = np.array(extra, dtype=np.int64).T
             piece_part = np.concatenate([piece_part, extra_part])
             piece_local = np.concatenate([piece_local, extra_local])
@@ -201,16 +207,6 @@ class WindowStream:
             row_offsets=row_offsets,
             pieces=pieces,
         )
-
-    def _pieces(self, start: int, row: int) -> list[tuple[int, int, int, int]]:
-        """(shard, first token in it, tokens, row) of the window at stream offset `start`, shard by shard."""
-        stop, pieces = start + self.width, []
-        part = int(np.searchsorted(self.starts, start, side="right")) - 1
-        while start < stop:
-            end = min(stop, int(self.starts[part + 1]))
-            pieces.append((part, start - int(self.starts[part]), end - start, row))
-            start, part = end, part + 1
-        return pieces
 
     def gather_staged(self, reads: StagedReads, buffer: np.ndarray, out: np.ndarray) -> None:
         """Fill out[i] with the i-th window of `staged_reads` from the staging buffer its reads landed in."""
