@@ -162,19 +162,21 @@ def cold_random_reads(tokens_dir: Path, plan: dict, first_step: int, steps: int)
 
     source = MixtureSource(plan, "pretraining", str(tokens_dir), 0, reader="mmap", prefetch_batches=0)
     stream = source._stream
+    begins = [source._begin(source.draws(s)) for s in range(first_step, first_step + steps)]
+    source.close()
+    del source
     try:
         reader = DirectReader()
+    except DirectIOUnavailable:
+        return None
+    try:
         for path in stream.paths:
             reader.open(path)
     except DirectIOUnavailable:
+        reader.close()
         return None
-    batches = [
-        stream.staged_reads(source._begin(source.draws(s)), reader.align)
-        for s in range(first_step, first_step + steps)
-    ]
+    batches = [stream.staged_reads(begin, reader.align) for begin in begins]
     buffers = [aligned_buffer(reads.buffer_bytes) for reads in batches]
-    source.close()
-    del source
     evict(tokens_dir)
     start = time.perf_counter()
     done = [
