@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "src"))
 
-from report_fixtures import make_report_inputs  # noqa: E402 - tests/ is on the path only now
+from report_fixtures import headless_chromium, make_report_inputs, missing_browser  # noqa: E402 - tests/ is on the path only now
 
 from tokenmill.reports.overview import OverviewOptions  # noqa: E402
 from tokenmill.reports.site import build_site  # noqa: E402
@@ -71,30 +70,10 @@ def best_of(n: int, fn) -> tuple[float, object]:
 
 
 def browser_times(index: Path) -> tuple[float, float] | None:
-    if not (os.access("/usr/bin/chromium", os.X_OK) and os.access("/usr/bin/chromedriver", os.X_OK)):
-        print("browser: /usr/bin/chromium or chromedriver missing (run `make browser`); skipped")
+    if missing_browser():
+        print(f"browser: {', '.join(missing_browser())} missing (run `make browser`); skipped")
         return None
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="tokenmill-bench-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = "/usr/bin/chromium"
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--window-size=1280,1000",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
-    try:
+    with headless_chromium("tokenmill-bench-") as driver:
         loads = []
         for _ in range(2):
             driver.get("about:blank")
@@ -128,9 +107,6 @@ def browser_times(index: Path) -> tuple[float, float] | None:
                 )
             )
         return min(loads), max(searches)
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 def main() -> None:

@@ -1,6 +1,8 @@
 """Report inputs written from scratch, following docs/formats.md, so the report can be built and tested
 without curate, tokenize, the planner or the trainer.
 
+`headless_chromium` starts the browser the page tests and the report bench drive.
+
 `make_report_inputs` writes curate output (curated/, removed/, rejected/, stats.json), tokenize output
 (counts.json and a manifest per cell), a mixture plan and an earlier revision of it, and a run folder. It
 scales from a handful of cells to 200 cells and 10,000 samples for the benchmark. With `hostile=True` one
@@ -10,11 +12,16 @@ broken HTML; the cell is small enough that every one of them is among its sample
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import math
+import os
 import random
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +30,51 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokenmill.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+def missing_browser() -> list[str]:
+    """Which of Debian's chromium and chromium-driver binaries are not installed (`make browser`)."""
+    return [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
+
+
+@contextlib.contextmanager
+def headless_chromium(profile_prefix: str) -> Iterator[Any]:
+    """A selenium driver of headless Chromium with a fresh profile, no background networking, a
+    1280x1000 window and the console log kept; quit, and its profile removed, on leaving."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix=profile_prefix)
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        "--window-size=1280,1000",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = None
+    try:
+        driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+        driver.set_page_load_timeout(30)
+        yield driver
+    finally:
+        if driver is not None:
+            driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
 
 BASE_DOMAINS = (
     "web",

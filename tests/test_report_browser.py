@@ -7,10 +7,7 @@ and the layout survives hostile text. Screenshots go to test-artifacts/.
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,14 +16,18 @@ import pytest
 from tokenmill.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report_fixtures import ReportInputs, make_report_inputs, report_args  # noqa: E402
+from report_fixtures import (  # noqa: E402
+    ReportInputs,
+    headless_chromium,
+    make_report_inputs,
+    missing_browser,
+    report_args,
+)
 
 pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
 
 
 @pytest.fixture(scope="module")
@@ -43,39 +44,13 @@ def site(inputs: ReportInputs, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
+    missing = missing_browser()
     if missing:
         pytest.fail(
             f"{', '.join(missing)} not found: run `make browser` (Debian's chromium and chromium-driver)"
         )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="tokenmill-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--hide-scrollbars",
-        "--window-size=1280,1000",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(30)
-    try:
+    with headless_chromium("tokenmill-chromium-") as driver:
         yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 def console_errors(driver) -> list[dict]:
