@@ -360,41 +360,36 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
     rejected = read.rejected
 
     target = recipe.target_file_bytes
-    doc_bytes = lambda document: len(document.get("text") or "") + 64  # noqa: E731
-    curated_files = (
-        kept
-        | "KeyByCell"
-        >> beam.Map(
-            lambda d: (f"curated/{cell_name(d['domain'], int(d['quality']))}", _row(d, DOCUMENT_SCHEMA))
-        )
-        | "WriteCurated"
-        >> WritePartitioned(
-            run.output,
-            ".parquet",
-            lambda path, rows: write_parquet(path, rows, DOCUMENT_SCHEMA),
-            lambda row: row["id"],
-            doc_bytes,
-            target,
-        )
-    )
-    removed_files = (
-        removed
-        | "KeyByReason"
-        >> beam.Map(
-            lambda d: (
-                f"removed/stage={_safe(d['stage'])}/reason={_safe(d['reason'])}",
-                _row(d, REMOVED_SCHEMA),
+
+    def write_documents(documents, key_label: str, write_label: str, partition, schema):
+        """Documents as rows of `schema` in Parquet files under the folder `partition(document)` names."""
+        return (
+            documents
+            | key_label >> beam.Map(lambda d: (partition(d), _row(d, schema)))
+            | write_label
+            >> WritePartitioned(
+                run.output,
+                ".parquet",
+                lambda path, rows: write_parquet(path, rows, schema),
+                lambda row: row["id"],
+                lambda document: len(document.get("text") or "") + 64,
+                target,
             )
         )
-        | "WriteRemoved"
-        >> WritePartitioned(
-            run.output,
-            ".parquet",
-            lambda path, rows: write_parquet(path, rows, REMOVED_SCHEMA),
-            lambda row: row["id"],
-            doc_bytes,
-            target,
-        )
+
+    curated_files = write_documents(
+        kept,
+        "KeyByCell",
+        "WriteCurated",
+        lambda d: f"curated/{cell_name(d['domain'], int(d['quality']))}",
+        DOCUMENT_SCHEMA,
+    )
+    removed_files = write_documents(
+        removed,
+        "KeyByReason",
+        "WriteRemoved",
+        lambda d: f"removed/stage={_safe(d['stage'])}/reason={_safe(d['reason'])}",
+        REMOVED_SCHEMA,
     )
     rejected_files = (
         rejected
