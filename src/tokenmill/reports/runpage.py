@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from tokenmill import storage
@@ -46,6 +47,21 @@ def phase_lines(rows: list[dict[str, Any]]) -> list[svg.VLine]:
 
 def _per_layer(rows: list[dict[str, Any]], key: str) -> int:
     return max((len(r[key]) for r in rows if isinstance(r.get(key), list)), default=0)
+
+
+def _layer_series(
+    rows: list[dict[str, Any]], key: str, value: Callable[[Any], float | None]
+) -> list[svg.Series]:
+    """A series per layer (the first MAX_LAYER_SERIES) of the per-layer list `key`, entries via `value`."""
+
+    def at(row: dict[str, Any], layer: int) -> float | None:
+        entries = row.get(key)
+        return value(entries[layer]) if isinstance(entries, list) and len(entries) > layer else None
+
+    return [
+        svg.Series(f"layer {layer}", [(float(r["step"]), at(r, layer)) for r in rows])
+        for layer in range(min(_per_layer(rows, key), MAX_LAYER_SERIES))
+    ]
 
 
 def expert_imbalance(load: Any) -> float | None:
@@ -107,22 +123,7 @@ def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
     add("Throughput", [_series(rows, "tokens_per_second", "tokens / s")], svg.Axis("tokens per second"))
     add("Model FLOPs utilization", [_series(rows, "mfu", "MFU")], svg.Axis("MFU", low=0.0))
     layers = _per_layer(rows, "expert_load")
-    load_series = []
-    for layer in range(min(layers, MAX_LAYER_SERIES)):
-        load_series.append(
-            svg.Series(
-                f"layer {layer}",
-                [
-                    (
-                        float(r["step"]),
-                        expert_imbalance(r["expert_load"][layer])
-                        if isinstance(r.get("expert_load"), list) and len(r["expert_load"]) > layer
-                        else None,
-                    )
-                    for r in rows
-                ],
-            )
-        )
+    load_series = _layer_series(rows, "expert_load", expert_imbalance)
     if layers > MAX_LAYER_SERIES:
         load_series.append(
             svg.Series(
@@ -164,26 +165,7 @@ def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
         "Routed assignments dropped by expert capacity, over all MoE layers.",
     )
     add("Gradient norm", [_series(rows, "grad_norm", "grad norm")], svg.Axis("norm"))
-    bias_layers = _per_layer(rows, "router_bias_norm")
-    add(
-        "Router bias norm",
-        [
-            svg.Series(
-                f"layer {layer}",
-                [
-                    (
-                        float(r["step"]),
-                        _number(r["router_bias_norm"][layer])
-                        if isinstance(r.get("router_bias_norm"), list) and len(r["router_bias_norm"]) > layer
-                        else None,
-                    )
-                    for r in rows
-                ],
-            )
-            for layer in range(min(bias_layers, MAX_LAYER_SERIES))
-        ],
-        svg.Axis("norm"),
-    )
+    add("Router bias norm", _layer_series(rows, "router_bias_norm", _number), svg.Axis("norm"))
 
     final_load = next(
         (r["expert_load"] for r in reversed(rows) if isinstance(r.get("expert_load"), list)), None
