@@ -47,6 +47,7 @@ from tokenmill.filters.normalize import Normalize
 from tokenmill.filters.url_filter import UrlFilter
 from tokenmill.pipelines.readers import InputFields
 from tokenmill.units import parse_count
+from tokenmill.validation import validation_problems
 
 
 def _heuristic_filter(
@@ -224,10 +225,6 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in item['loc']) or '(top)'}: {item['msg']}"
-            for item in error.errors()
-        )
-        raise RecipeError(f"{path}: {problems}") from None
+        raise RecipeError(f"{path}: {validation_problems(error, '(top)')}") from None
     build_steps(recipe, str(path))  # parameter errors surface now, before any pipeline starts
     return recipe

@@ -12,6 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from tokenmill.validation import validation_problems
+
 
 class MoEConfig(BaseModel):
     """The routed-experts block that replaces every layer's MLP."""
@@ -112,7 +114,4 @@ def load_model_config(path: str | Path) -> ModelConfig:
     try:
         return ModelConfig.model_validate(raw)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'model'}: {e['msg']}" for e in error.errors()
-        )
-        raise ValueError(f"model config {path}: {problems}") from error
+        raise ValueError(f"model config {path}: {validation_problems(error, 'model')}") from error

@@ -33,6 +33,7 @@ from tokenmill import storage
 from tokenmill.trainer.config import ModelConfig, load_model_config
 from tokenmill.trainer.flops import count_params, flops_per_token
 from tokenmill.units import format_count, parse_count
+from tokenmill.validation import validation_problems
 
 FORMAT_VERSION = 1
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
@@ -130,10 +131,7 @@ def load_ladder(path: str | os.PathLike[str]) -> Ladder:
     try:
         spec = LadderSpec.model_validate(raw)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'ladder'}: {e['msg']}" for e in error.errors()
-        )
-        raise LadderError(f"{path}: {problems}") from error
+        raise LadderError(f"{path}: {validation_problems(error, 'ladder')}") from error
     names = [rung.name for rung in spec.rungs]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
