@@ -181,10 +181,12 @@ class DirectReader:
         count = len(offsets)
         if buffer_offsets.size and int((buffer_offsets + sizes).max()) > buffer.nbytes:
             raise ValueError("the reads do not fit in the buffer")
-        fds = np.array([self.open(path) for path in paths], dtype=np.uint32)
+        # Only the files these reads touch: `paths` can list every shard of a large dataset.
+        used, which = np.unique(path_index, return_inverse=True)
+        fds = np.array([self.open(paths[i]) for i in used.tolist()], dtype=np.uint32)
         iocbs = np.zeros(count, dtype=_IOCB)
         iocbs["opcode"] = _IOCB_CMD_PREAD
-        iocbs["fildes"] = fds[path_index]
+        iocbs["fildes"] = fds[which]
         iocbs["buf"] = np.uint64(buffer.ctypes.data) + buffer_offsets.astype(np.uint64)
         iocbs["nbytes"] = sizes
         iocbs["offset"] = offsets
