@@ -12,7 +12,9 @@ from tokenmill.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 MIXTURES = REPO / "mixtures"
-REFERENCE = str(MIXTURES / "marin-535b-a23b.yaml")
+HERO = str(MIXTURES / "marin-535b-a23b.yaml")
+# The illustrative 11-source mixture that tests/test_mixtures_plan.py works out by hand.
+REFERENCE = str(Path(__file__).parent / "fixtures" / "eleven-sources.yaml")
 SAMPLE_COUNTS = {
     "format_version": 1,
     "tokenizer": {"name": "tokenmill-bpe-4k", "sha256": "", "vocab_size": 4096},
@@ -64,6 +66,31 @@ def test_plan_text(capsys):
     )
     assert "phase midtraining: steps 447,035 to 558,794" in out
     assert "(illustrative)" in out
+
+
+def test_plan_text_of_the_reference_run(capsys):
+    assert main(["mixture", "plan", HERO]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(
+        "marin-535b-a23b: 18.75T tokens budgeted (phase shares and epochs refer to it), 18.01T planned in "
+        "390,251 steps of 46,137,344 tokens (11,264 x 4,096) (total_steps); mixture blocks of 49,152 "
+        "sequences, boundaries every 48 step(s)\n"
+    )
+    out = captured.out
+    assert (
+        "from marin-community/marin experiments/grug/moe_hero_ep/harrier_mix_2026_08_18.json at 4da809f"
+        in out
+    )
+    assert (
+        "phase pretraining: steps 0 to 312,192 (312,192 steps, 71,544 blocks), 14.4T tokens (asked 15T)"
+        in out
+    )
+    assert (
+        "phase midtraining: steps 312,192 to 390,251 (78,059 steps, 17,888 blocks and 25,600 sequences of "
+        "one more), 3.601T tokens (asked 3.75T)" in out
+    )
+    # Weights too small for one sequence in 49,152 are kept as published, and the plan says what they become.
+    assert "weight 9.587e-09 rounds to 0 of 49152 sequences per block" in captured.err
 
 
 def test_plan_output_file(tmp_path, capsys, counts_file):
@@ -143,7 +170,7 @@ def test_diff_files(tmp_path, capsys):
 
 
 def test_diff_same_file(capsys):
-    assert main(["mixture", "diff", REFERENCE, REFERENCE]) == 0
+    assert main(["mixture", "diff", HERO, HERO]) == 0
     assert "no change in steps, tokens or epochs" in capsys.readouterr().out
 
 
@@ -152,14 +179,18 @@ def test_diff_git_revisions(tmp_path, capsys, monkeypatch):
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / "mixtures").mkdir()
     spec = tmp_path / "mixtures" / "marin-535b-a23b.yaml"
-    spec.write_text(Path(REFERENCE).read_text())
+    spec.write_text(Path(HERO).read_text())
     rung = tmp_path / "mixtures" / "marin-ladder-48b.yaml"
     rung.write_text((MIXTURES / "marin-ladder-48b.yaml").read_text())
     subprocess.run([*git, "-C", str(tmp_path), "add", "."], check=True)
     subprocess.run([*git, "-C", str(tmp_path), "commit", "-q", "-m", "one"], check=True)
+    # Swap two cells' midtraining weights (each value appears once, in midtraining).
+    text = spec.read_text()
+    c32, c30 = "      c32q3: 0.040449415611640636\n", "      c30q4: 0.02865497188099325\n"
+    assert text.count(c32) == 1 and text.count(c30) == 1
     spec.write_text(
-        spec.read_text().replace(
-            "      wiki: 0.03\n      forum: 0.05\n", "      wiki: 0.05\n      forum: 0.03\n"
+        text.replace(c32, "      c32q3: 0.02865497188099325\n").replace(
+            c30, "      c30q4: 0.040449415611640636\n"
         )
     )
     monkeypatch.chdir(tmp_path)
@@ -167,13 +198,14 @@ def test_diff_git_revisions(tmp_path, capsys, monkeypatch):
         main(["mixture", "diff", "HEAD:mixtures/marin-535b-a23b.yaml", "mixtures/marin-535b-a23b.yaml"]) == 0
     )
     out = capsys.readouterr().out
-    assert "phase midtraining (changed)" in out and "wiki" in out and "forum" in out
+    assert "phase midtraining (changed)" in out and "c32q3" in out and "c30q4" in out
+    assert "phase pretraining" not in out
     # a slice read from git finds its parent in the same revision
     assert (
         main(["mixture", "diff", "HEAD:mixtures/marin-ladder-48b.yaml", "mixtures/marin-ladder-48b.yaml"])
         == 0
     )
-    assert "wiki" in capsys.readouterr().out
+    assert "c32q3" in capsys.readouterr().out
     assert main(["mixture", "diff", "HEAD~5:mixtures/x.yaml", "mixtures/marin-535b-a23b.yaml"]) == 2
     assert "git cannot show it" in capsys.readouterr().err
 

@@ -1,4 +1,6 @@
-"""The planner: figures worked out by hand, max_epochs, shortfall, simulated epoching, demo, diff."""
+"""The planner: figures worked out by hand, max_epochs, shortfall, simulated epoching, runs given in steps
+(partial last blocks), demo, diff. The hand-worked figures use an illustrative 11-source fixture; the
+reference run's own 200-cell mixture is tests/test_marin_mixture.py's."""
 
 from __future__ import annotations
 
@@ -22,8 +24,16 @@ from tokenmill.mixtures.plan import _water_fill
 
 REPO = Path(__file__).resolve().parents[1]
 MIXTURES = REPO / "mixtures"
-REFERENCE = MIXTURES / "marin-535b-a23b.yaml"
-RUNGS = {48: "marin-ladder-48b", 128: "marin-ladder-128b", 381: "marin-ladder-381b", 926: "marin-ladder-926b"}
+REFERENCE = Path(__file__).parent / "fixtures" / "eleven-sources.yaml"
+RUNGS = (48, 128, 381, 926)  # billions of tokens: slices of REFERENCE
+
+
+def rung_of(billions: int, batch_size: int = 256) -> str:
+    """A slice of REFERENCE, as a spec text read from REFERENCE's folder."""
+    return (
+        f"name: eleven-{billions}b\nslice_of: eleven-sources.yaml\ntotal_tokens: {billions}B\n"
+        f"batch_size: {batch_size}\n"
+    )
 
 
 def counts_of(cells: dict[str, int], tokenizer: str = "tokenmill-bpe-8k") -> dict:
@@ -39,7 +49,7 @@ def counts_of(cells: dict[str, int], tokenizer: str = "tokenmill-bpe-8k") -> dic
     }
 
 
-# -- the reference run, by hand ----------------------------------------------------------------------------
+# -- the 11-source fixture, by hand -------------------------------------------------------------------------
 #
 # 4,096 tokens x 8,192 sequences = 33,554,432 tokens per step; blocks of 2,048 sequences divide the batch,
 # so boundaries may fall on any step (block_steps = 1) and each step holds 4 blocks.
@@ -135,7 +145,7 @@ def test_reference_epochs_over_the_run(reference_plan):
 
 
 def test_rung_48b_boundaries_are_whole_blocks():
-    plan = plan_mixture(load_mixture(MIXTURES / "marin-ladder-48b.yaml"))
+    plan = plan_mixture(load_mixture_text(rung_of(48), str(REFERENCE.with_name("eleven-48b.yaml"))))
     # 256 sequences a step, blocks of 2,048: lcm 2,048 sequences = 8 steps = 8,388,608 tokens.
     # pretraining asks 0.8 x 48B = 38.4B = 4,577.64 granules -> 4,578 -> step 36,624
     # the run asks 48B = 5,722.05 granules -> 5,722 -> step 45,776
@@ -190,6 +200,112 @@ def test_phase_too_small_for_a_block():
         "4 step(s) of 300 tokens; give the phase more tokens or use a smaller block_size or batch_size "
         "(line 14)"
     )
+
+
+# -- a run given in steps (total_steps): the budget stays, the steps are the run -----------------------------
+
+STEPPED = """\
+name: stepped
+tokenizer: tok
+total_tokens: 10K
+total_steps: 7
+sequence_length: 100
+batch_size: 3
+block_size: 4
+sources:
+  web: {cells: domain=web/*, tokens: 100K}
+  code: {cells: domain=code/*, tokens: 100K}
+phases:
+  - name: a
+    share: 0.8
+    weights: {web: 0.6, code: 0.4}
+  - name: b
+    share: 0.2
+    weights: {web: 0.5, code: 0.5}
+"""
+
+
+def test_total_steps_is_the_run_and_total_tokens_the_budget():
+    plan = plan_mixture(load_mixture_text(STEPPED))
+    # 300 tokens a step, granules of lcm(3, 4) = 12 sequences = 4 steps. The run is 7 steps, 2,100 tokens of
+    # the 10K budget; a ends at floor(0.8 x 7) = 5, down to a granule: 4. b: steps 4-7, 9 sequences = 2
+    # blocks and 1 sequence of a third.
+    assert (plan.total_steps, plan.planned_tokens, plan.total_tokens) == (7, 2_100, 10_000)
+    assert plan.total_steps_given and plan.to_json()["total_steps_given"] is True
+    a, b = plan.phases
+    assert (a.start_step, a.end_step, b.start_step, b.end_step) == (0, 4, 4, 7)
+    assert (a.blocks, a.partial_block_sequences, b.blocks, b.partial_block_sequences) == (3, 0, 2, 1)
+    assert (a.tokens_requested, b.tokens_requested) == (8_000, 2_000)  # shares of the budget
+    # a: 2.4 / 1.6 -> 2 and 2 a block, 3 blocks. b: 2 and 2, 2 blocks, and the partial block's one sequence
+    # goes by largest remainder of (2, 2) over 1: a tie, to the first source.
+    assert (a.source("web").tokens, a.source("code").tokens) == (600, 600)
+    assert (b.source("web").tokens, b.source("code").tokens) == (500, 400)
+    for phase in plan.phases:
+        assert sum(source.tokens for source in phase.sources) == phase.tokens == phase.steps * 300
+
+
+def test_total_steps_boundaries_round_down_to_a_granule():
+    # 0.8 x 14 = 11.2 steps: floored to step 11, then down to the granule at 8 (half up would say 12).
+    plan = plan_mixture(load_mixture_text(STEPPED.replace("total_steps: 7", "total_steps: 14")))
+    assert [phase.end_step for phase in plan.phases] == [8, 14]
+    # A budget without steps rounds half up on granules as before: 8,000 tokens / 1,200 = 6.67 -> step 28.
+    plain = plan_mixture(load_mixture_text(STEPPED.replace("total_steps: 7\n", "")))
+    assert [phase.end_step for phase in plain.phases] == [28, 32] and not plain.total_steps_given
+
+
+def test_total_steps_alone_sets_the_budget(tmp_path):
+    alone = plan_mixture(load_mixture_text(STEPPED.replace("total_tokens: 10K\n", "")))
+    assert alone.total_tokens == alone.planned_tokens == 2_100
+    # A slice of 3 steps of 1 sequence: blocks of 4 sequences span 4 steps, and the first phase would end
+    # at floor(0.8 x 3) = 2, down to step 0: no room for it, and the error says so.
+    (tmp_path / "stepped.yaml").write_text(STEPPED)
+    small = "name: small\nslice_of: stepped.yaml\ntotal_steps: 3\nbatch_size: 1\n"
+    with pytest.raises(MixtureError, match="phases\\[0\\]: 240 tokens round to no steps"):
+        plan_mixture(load_mixture_text(small, str(tmp_path / "small.yaml")))
+
+
+def test_total_steps_slice(tmp_path):
+    (tmp_path / "stepped.yaml").write_text(STEPPED.replace("total_steps: 7", "total_steps: 20"))
+    text = "name: small\nslice_of: stepped.yaml\ntotal_steps: 9\n"
+    plan = plan_mixture(load_mixture_text(text, str(tmp_path / "small.yaml")))
+    # 9 steps x 3 x 100 = 2,700 tokens of the parent's 10K budget: every source scaled to 27%.
+    assert (plan.total_tokens, plan.planned_tokens, plan.total_steps) == (2_700, 2_700, 9)
+    assert plan.slice["fraction"] == pytest.approx(0.27)
+    assert plan.sources["web"].tokens_available == 27_000
+    assert [phase.end_step for phase in plan.phases] == [4, 9]  # floor(7.2) = 7, down to 4
+
+
+def test_a_run_needs_total_tokens_or_total_steps(tmp_path):
+    with pytest.raises(MixtureError) as caught:
+        load_mixture_text(STEPPED.replace("total_tokens: 10K\n", "").replace("total_steps: 7\n", ""))
+    assert str(caught.value) == "total_tokens: required field missing (or give total_steps) (line 1)"
+    (tmp_path / "stepped.yaml").write_text(STEPPED)
+    with pytest.raises(MixtureError, match="total_tokens: required field missing"):
+        load_mixture_text("name: s\nslice_of: stepped.yaml\n", str(tmp_path / "s.yaml"))
+    with pytest.raises(MixtureError, match="total_steps: a slice takes between 1 token"):
+        load_mixture_text("name: s\nslice_of: stepped.yaml\ntotal_steps: 100\n", str(tmp_path / "s.yaml"))
+
+
+def test_redistribute_counts_a_partial_block_whole():
+    # 9 sequences: 2 blocks of 4 and 1 sequence. web may give 400 tokens (4 sequences): at 2 a block it
+    # would draw 4 in the whole blocks and possibly 1 more in the partial one, so its cap is 1 a block.
+    text = STEPPED.replace("total_steps: 7", "total_steps: 3").replace(
+        "web: {cells: domain=web/*, tokens: 100K}", "web: {cells: domain=web/*, tokens: 400}"
+    )
+    text = text.replace("share: 0.8", "share: 0.99").replace("share: 0.2", "share: 0.01")
+    text = text.replace("  - name: b\n    share: 0.01\n    weights: {web: 0.5, code: 0.5}\n", "")
+    text = text.replace("share: 0.99", "share: 1") + "shortfall: redistribute\n"
+    plan = plan_mixture(load_mixture_text(text))
+    assert plan.sources["web"].tokens <= 400 and plan.phases[0].partial_block_sequences == 1
+    assert sum(source.tokens for source in plan.phases[0].sources) == 900
+
+
+def test_provenance_is_checked_and_carried():
+    text = STEPPED + "provenance: {repository: a/b, path: c.json, commit: 4da809f}\n"
+    plan = plan_mixture(load_mixture_text(text))
+    assert plan.to_json()["provenance"] == {"repository": "a/b", "path": "c.json", "commit": "4da809f"}
+    with pytest.raises(MixtureError, match="provenance.commit"):
+        load_mixture_text(STEPPED + "provenance: {repository: a/b, path: c.json, commit: main}\n")
 
 
 # -- max_epochs and the shortfall policy -------------------------------------------------------------------
@@ -278,12 +394,12 @@ REFERENCE_CELLS = {
 @pytest.mark.parametrize(
     "counts", [None, counts_of(REFERENCE_CELLS, "marin-tokenizer-128k")], ids=["declared", "counted"]
 )
-@pytest.mark.parametrize("rung", sorted(RUNGS))
+@pytest.mark.parametrize("rung", RUNGS)
 def test_rungs_repeat_each_source_as_often_as_the_full_run(rung, counts):
     full = plan_mixture(load_mixture(REFERENCE), counts)
-    small = plan_mixture(load_mixture(MIXTURES / f"{RUNGS[rung]}.yaml"), counts)
+    small = plan_mixture(load_mixture_text(rung_of(rung), str(REFERENCE.with_name("rung.yaml"))), counts)
     assert small.total_tokens == rung * 10**9
-    assert small.slice["of"] == "marin-535b-a23b"
+    assert small.slice["of"] == "eleven-sources"
     assert small.slice["fraction"] == pytest.approx(rung * 10**9 / 18.75e12)
     for big_phase, small_phase in zip(full.phases, small.phases, strict=True):
         assert small_phase.name == big_phase.name
@@ -298,9 +414,7 @@ def test_rungs_repeat_each_source_as_often_as_the_full_run(rung, counts):
 
 def test_plain_small_run_is_not_a_slice():
     # The same 48B run without slice_of would see each source a tiny fraction of one epoch.
-    text = (
-        (MIXTURES / "marin-535b-a23b.yaml").read_text().replace("total_tokens: 18.75T", "total_tokens: 48B")
-    )
+    text = REFERENCE.read_text().replace("total_tokens: 18.75T", "total_tokens: 48B")
     plan = plan_mixture(load_mixture_text(text))
     assert plan.sources["math"].epochs < 0.02
 
@@ -458,8 +572,8 @@ def test_diff_shows_tokens_and_epochs_per_source_and_phase(reference_plan):
 
 def test_diff_of_a_plan_with_itself_is_empty(reference_plan):
     assert diff_plans(reference_plan, reference_plan) == {
-        "a": "marin-535b-a23b",
-        "b": "marin-535b-a23b",
+        "a": "eleven-sources",
+        "b": "eleven-sources",
         "fields": {},
         "phases": [],
         "sources": [],

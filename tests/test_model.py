@@ -50,7 +50,11 @@ def test_shapes_and_parameter_count():
     cfg = tiny()
     params = init(cfg)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    assert n_params == count_params(cfg).total_params_with_embeddings
+    counts = count_params(cfg)
+    # Stored = the pytree plus the router bias; total = its matrices (norm scales are the difference).
+    assert n_params + cfg.n_layers * cfg.moe.n_experts == counts.stored_params
+    vectors = sum(x.size for x in jax.tree.leaves(params) if x.ndim == 1)
+    assert n_params - vectors == counts.total_params
     tokens, segments = random_batch(cfg)
     logits, stats = forward(cfg, params, model.init_router_bias(cfg), tokens[:, :-1], segments[:, :-1])
     assert logits.shape == (2, cfg.seq_len, cfg.vocab_size) and logits.dtype == jnp.float32
@@ -124,9 +128,20 @@ def _skewed_router(e: int = 8, d: int = 16, t: int = 512):
     return x + 0.5, router
 
 
-@pytest.mark.parametrize("balancing", ["bias", "quantile"])
-def test_balancing_bias_evens_out_a_skewed_router(balancing):
-    m = MoEConfig(n_experts=8, top_k=2, expert_hidden=8, balancing=balancing, bias_rate=0.01)
+@pytest.mark.parametrize(
+    "balancing, bias_space, bins",
+    [
+        ("bias", "score", None),
+        ("quantile", "score", None),
+        ("quantile", "logit", None),
+        ("quantile", "logit", 10_000),
+    ],
+)
+def test_balancing_bias_evens_out_a_skewed_router(balancing, bias_space, bins):
+    m = MoEConfig(
+        n_experts=8, top_k=2, expert_hidden=8, balancing=balancing, bias_rate=0.01, bias_space=bias_space,
+        quantile_bins=bins,
+    )  # fmt: skip
     x, router = _skewed_router()
     fair = x.shape[0] * m.top_k / m.n_experts
 
@@ -178,11 +193,35 @@ def test_sliding_window_sees_only_recent_tokens():
     segments = jnp.zeros((1, cfg.seq_len), jnp.int32)
     x2 = x.at[:, 0].add(1.0)
     window = cfg.window(0)
-    local = jax.jit(lambda x: model.attention(attn, x, segments, cfg, window))
+    local = jax.jit(lambda x: model.attention(attn, x, segments, cfg, 0))
     a, b = local(x), local(x2)
     np.testing.assert_allclose(a[:, window:], b[:, window:], atol=1e-6)
     assert not np.allclose(a[:, window - 1], b[:, window - 1])
     # Global attention (layer 1) does see the first token from everywhere.
-    full = jax.jit(lambda x: model.attention(attn, x, segments, cfg, None))
+    assert cfg.window(1) is None
+    full = jax.jit(lambda x: model.attention(attn, x, segments, cfg, 1))
     g_a, g_b = full(x), full(x2)
     assert not np.allclose(g_a[:, -1], g_b[:, -1])
+
+
+def test_histogram_quantile_is_within_a_bin_of_the_exact_one():
+    t, e, k, bins = 4096, 8, 2, 1000
+    values = jax.random.normal(jax.random.key(0), (t, e))
+    values = values.at[:, 1].set(0.25)  # one expert's margins all equal
+    values = values.at[0, 2].set(50.0)  # one outlier stretches the shared grid 10x
+    rank = t * k / e
+    estimate = np.asarray(jax.jit(lambda v: moe.histogram_upper_quantile(v, rank, bins))(values))
+    width = float(values.max() - values.min()) / bins
+    exact = np.sort(np.asarray(values), axis=0)[::-1][int(rank) - 1]  # the rank-th largest per column
+    assert np.all(np.abs(estimate - exact) <= width + 1e-6), (estimate, exact, width)
+    # The estimate splits each column into rank values above it, up to the tokens inside one bin.
+    above = (np.asarray(values) >= estimate[None, :]).sum(0)
+    assert np.all(np.abs(above[[0, 2, 3]] - rank) <= 0.01 * t)
+
+
+def test_global_layers_by_rule():
+    cfg = tiny(n_layers=22).model_copy(update={"global_every": 4, "sliding_window_layers": []})
+    assert [i for i in range(22) if cfg.is_global(i)] == [3, 7, 11, 15, 19, 21]
+    assert cfg.window(0) == cfg.sliding_window and cfg.window(21) is None
+    with pytest.raises(ValueError, match="excludes sliding_window_layers"):
+        ModelConfig.model_validate({**tiny().model_dump(), "global_every": 4})

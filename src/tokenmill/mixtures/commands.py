@@ -246,15 +246,19 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list
 
 def render_plan(plan: Plan, counts_file: str | None = None) -> str:
     """The plan as text: a header, one table per phase, then the run totals per source."""
+    asked = "budgeted (phase shares and epochs refer to it)" if plan.total_steps_given else "asked"
     lines = [
-        f"{plan.name}: {_fc(plan.total_tokens)} tokens asked, {_fc(plan.planned_tokens)} planned in "
+        f"{plan.name}: {_fc(plan.total_tokens)} tokens {asked}, {_fc(plan.planned_tokens)} planned in "
         f"{plan.total_steps:,} steps of {plan.tokens_per_step:,} tokens ({plan.batch_size:,} x "
-        f"{plan.sequence_length:,}); mixture blocks of {plan.block_size:,} sequences, boundaries every "
-        f"{plan.block_steps:,} step(s)",
+        f"{plan.sequence_length:,}){' (total_steps)' if plan.total_steps_given else ''}; mixture blocks of "
+        f"{plan.block_size:,} sequences, boundaries every {plan.block_steps:,} step(s)",
         f"tokenizer {plan.tokenizer}; tokens available from {counts_file or 'declared counts'}"
         + (" (illustrative)" if plan.illustrative else "")
         + f"; shortfall: {plan.shortfall}",
     ]
+    if plan.provenance:
+        source = plan.provenance
+        lines.append(f"from {source['repository']} {source['path']} at {source['commit']}")
     if plan.slice:
         lines.append(
             f"slice of {plan.slice['of']} ({_fc(plan.slice['of_total_tokens'])} tokens): "
@@ -263,9 +267,15 @@ def render_plan(plan: Plan, counts_file: str | None = None) -> str:
         )
     for phase in plan.phases:
         lines.append("")
+        partial = (
+            f" and {phase.partial_block_sequences:,} sequences of one more"
+            if phase.partial_block_sequences
+            else ""
+        )
         lines.append(
             f"phase {phase.name}: steps {phase.start_step:,} to {phase.end_step:,} ({phase.steps:,} steps, "
-            f"{phase.blocks:,} blocks), {_fc(phase.tokens)} tokens (asked {_fc(phase.tokens_requested)})"
+            f"{phase.blocks:,} blocks{partial}), {_fc(phase.tokens)} tokens "
+            f"(asked {_fc(phase.tokens_requested)})"
         )
         rows = [
             [

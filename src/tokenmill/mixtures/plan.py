@@ -7,6 +7,14 @@ How the numbers are made (docs/mixtures.md says the same for users):
   must fall on whole steps (the trainer switches phase at a step) and whole blocks (a block belongs to one
   phase), so they are rounded, half up, to multiples of lcm(batch_size, block_size) sequences: the
   `block_steps` of the plan. The last phase ends at total_tokens rounded the same way.
+* A spec that gives `total_steps` is a run of that many steps (the reference run: 390,251 steps of a
+  mixture made for an 18.75T budget): each phase keeps its share of the budget as a share of the steps,
+  floored to a whole step and then down to a whole granule (Marin's rule: midtraining from 80% of the
+  steps, rounded down to a block boundary), and the last phase ends exactly at total_steps. Its last block
+  may then be partial: the sampler fills a block's positions in a keyed random order, so a partial block
+  of r sequences draws each source's r/B share of its block_sequences in expectation; the plan counts the
+  largest-remainder apportionment of r over the block's counts, so that the phase's sources still add up to
+  its tokens exactly (each source within one sequence of the expectation).
 * Inside a phase, a source's sequences per block (`block_sequences`) come from its weight by largest
   remainder (Hamilton) apportionment of the block, ties to the source listed first, so that they sum to
   exactly `block_size`. A source's tokens in a phase are block_sequences x blocks x sequence_length,
@@ -121,8 +129,9 @@ class PhasePlan:
     start_step: int
     end_step: int  # exclusive: the next phase starts here
     tokens_requested: int
-    blocks: int
+    blocks: int  # whole blocks
     sources: list[SourcePlan] = field(default_factory=list)
+    partial_block_sequences: int = 0  # sequences of a last, partial block (total_steps off a block boundary)
 
     def source(self, name: str) -> SourcePlan:
         return next(source for source in self.sources if source.name == name)
@@ -167,6 +176,8 @@ class Plan:
     warnings: list[str]
     description: str | None = None
     tokenizer_sha256: str | None = None  # from counts.json, when planned against it
+    total_steps_given: bool = False  # the spec gave total_steps: total_tokens is the budget, not the run
+    provenance: dict[str, str] | None = None
 
     def phase(self, name: str) -> PhasePlan:
         return next(phase for phase in self.phases if phase.name == name)
@@ -189,6 +200,7 @@ class Plan:
             "block_size": self.block_size,
             "tokens_per_step": self.tokens_per_step,
             "total_steps": self.total_steps,
+            "total_steps_given": self.total_steps_given,
             "planned_tokens": self.planned_tokens,
             "block_steps": self.block_steps,
             "shortfall": self.shortfall,
@@ -199,6 +211,7 @@ class Plan:
             "sources": {name: asdict(total) for name, total in self.sources.items()},
             "cells": self.cells,
             "warnings": list(self.warnings),
+            "provenance": self.provenance,
         }
 
 
@@ -298,8 +311,10 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
     phase_plans: list[PhasePlan] = []
     for phase, start, end in zip(mixture.phases, starts, ends, strict=True):
         steps = end - start
-        blocks = steps * batch // block
+        blocks, partial = divmod(steps * batch, block)
         sequence_tokens = blocks * length  # tokens that one sequence per block gives over the phase
+        # The caps count a partial block whole: a source never goes over its allowance.
+        cap_tokens = (blocks + (1 if partial else 0)) * length
         positive = {name: weight for name, weight in phase.weights.items() if weight > 0}
         asked = dict(zip(positive, block_counts(list(positive.values()), block), strict=True))
         for name in positive:
@@ -312,10 +327,10 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
                 else:
                     warnings.append(str(where.issue(message + "; its weight goes to the other sources")))
         if mixture.shortfall == "redistribute":
-            caps = {name: remaining[name] // sequence_tokens for name in positive}
+            caps = {name: remaining[name] // cap_tokens for name in positive}
             given, unplaced = _water_fill(positive, caps, block)
             if unplaced:
-                capacity = sum(caps.values()) * sequence_tokens
+                capacity = sum(caps.values()) * cap_tokens
                 issues.append(
                     phase.where.issue(
                         f"not enough tokens even with shortfall: redistribute: within max_epochs its sources "
@@ -333,11 +348,13 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
                 )
         else:
             given = asked
+        names = list(phase.weights)
+        in_partial = dict(zip(names, block_counts([given.get(n, 0) for n in names], partial), strict=True))
         plans = []
         for name, weight in phase.weights.items():
             item = resolved[name]
             count = given.get(name, 0)
-            tokens = count * sequence_tokens
+            tokens = count * sequence_tokens + in_partial[name] * length
             remaining[name] -= tokens
             used[name] += tokens
             if weight > 0 and count == 0 and asked.get(name) == 0:
@@ -386,6 +403,7 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
                 tokens_requested=round(phase.budget),
                 blocks=blocks,
                 sources=plans,
+                partial_block_sequences=partial,
             )
         )
         if catalog is not None:
@@ -435,6 +453,8 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
         shortfall=mixture.shortfall,
         tokens_from="counts.json" if catalog is not None else "declared",
         illustrative=mixture.illustrative and catalog is None,
+        total_steps_given=mixture.total_steps is not None,
+        provenance=mixture.provenance,
         slice=slice_info,
         sources=totals,
         cells=_cell_totals(catalog, resolved, used, mixture, warnings) if catalog is not None else {},
@@ -443,14 +463,27 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
 
 
 def _phase_ends(mixture: Mixture, block_steps: int) -> list[int]:
-    """Each phase's end step: the cumulative budget rounded, half up, to whole granules of block_steps."""
+    """Each phase's end step: the cumulative budget rounded, half up, to whole granules of block_steps.
+
+    With total_steps: the cumulative share of the budget times total_steps, floored to a step and then down
+    to a granule; the last phase ends at total_steps.
+    """
     granule_tokens = block_steps * mixture.batch_size * mixture.sequence_length
+    budget = sum((phase.budget for phase in mixture.phases), Fraction(0))
     ends: list[int] = []
     cumulative = Fraction(0)
     for index, phase in enumerate(mixture.phases):
         cumulative += phase.budget
+        last = index == len(mixture.phases) - 1
+        if mixture.total_steps is not None:
+            if last:
+                ends.append(mixture.total_steps)
+            else:
+                step = math.floor(cumulative / budget * mixture.total_steps) if budget else 0
+                ends.append(step // block_steps * block_steps)
+            continue
         # The last phase ends at the run's budget even when shares summed to 1 only within tolerance.
-        target = Fraction(mixture.total_tokens) if index == len(mixture.phases) - 1 else cumulative
+        target = Fraction(mixture.total_tokens) if last else cumulative
         ends.append(math.floor(target / granule_tokens + Fraction(1, 2)) * block_steps)
     issues = []
     for phase, start, end in zip(mixture.phases, [0, *ends[:-1]], ends, strict=True):

@@ -132,6 +132,18 @@ class PhaseSpec(BaseModel):
     )
 
 
+class ProvenanceSpec(BaseModel):
+    """Where a mixture comes from when it reproduces a published one: repository, path and commit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    repository: str = Field(description="e.g. marin-community/marin")
+    path: str = Field(description="the file in the repository")
+    commit: str = Field(description="the commit read", pattern=r"^[0-9a-f]{7,40}$")
+    url: str | None = None
+    note: str | None = None
+
+
 class MixtureSpec(BaseModel):
     """A training data mixture (mixtures/*.yaml). See docs/mixtures.md."""
 
@@ -148,7 +160,19 @@ class MixtureSpec(BaseModel):
         "weights, each source repeated as often as in the full run (simulated epoching)",
     )
     tokenizer: str | None = Field(None, description="tokenizer name; must match tokens/counts.json")
-    total_tokens: Count = Field(description="token budget of the whole run")
+    total_tokens: Count | None = Field(
+        None,
+        description="token budget of the whole run: what phase shares, epochs and slices refer to (default: "
+        "total_steps x batch_size x sequence_length)",
+    )
+    total_steps: Positive | None = Field(
+        None,
+        description="the run's length in steps, when it is not total_tokens / tokens per step (a run trained "
+        "for a given number of steps of a mixture made for another budget): phases keep their shares of the "
+        "budget in steps, each boundary rounded down to a whole mixture block, and the last phase ends at "
+        "this step, which may fall inside a block",
+    )
+    provenance: ProvenanceSpec | None = Field(None, description="where the mixture comes from")
     sequence_length: Positive | None = Field(None, description="tokens per sequence")
     batch_size: Positive | None = Field(None, description="sequences per step")
     block_size: Positive | None = Field(
@@ -180,6 +204,7 @@ class MixtureSpec(BaseModel):
 # Fields a slice takes from its parent; giving them in the slice would make it no longer a slice.
 SLICE_INHERITED = ("tokenizer", "sources", "phases", "max_epochs", "shortfall")
 FULL_REQUIRED = ("tokenizer", "sequence_length", "batch_size", "phases")
+RUN_LENGTH = ("total_tokens", "total_steps")  # one of them, in a full mixture and in a slice
 
 
 def mixture_json_schema() -> dict[str, Any]:
@@ -193,6 +218,7 @@ def mixture_json_schema() -> dict[str, Any]:
     }
     properties["sources"]["anyOf"][0]["propertyNames"] = {"pattern": NAME_PATTERN}
     schema["anyOf"] = [{"required": ["slice_of"]}, {"required": list(FULL_REQUIRED)}]
+    schema["allOf"] = [{"anyOf": [{"required": [name]} for name in RUN_LENGTH]}]
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
@@ -249,7 +275,7 @@ class Mixture:
     description: str | None
     file: str | None
     tokenizer: str
-    total_tokens: int
+    total_tokens: int  # the budget
     sequence_length: int
     batch_size: int
     block_size: int
@@ -262,6 +288,8 @@ class Mixture:
     counts_path: str | None = None
     block_size_explicit: bool = False
     spec: MixtureSpec | None = None
+    total_steps: int | None = None  # the run's length when given in steps (the budget is total_tokens)
+    provenance: dict[str, str] | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -357,10 +385,11 @@ def load_mixture_text(
     if spec.slice_of is not None:
         return _resolve_slice(spec, data, lines, file, read or _read_file)
     missing = [name for name in FULL_REQUIRED if getattr(spec, name) is None]
-    if missing:
-        raise MixtureError(
-            [lines.issue((name,), "required field missing (or give slice_of)") for name in missing]
-        )
+    issues = [lines.issue((name,), "required field missing (or give slice_of)") for name in missing]
+    if spec.total_tokens is None and spec.total_steps is None:
+        issues.append(lines.issue(("total_tokens",), "required field missing (or give total_steps)"))
+    if issues:
+        raise MixtureError(sorted(issues, key=lambda issue: issue.line or 0))
     return _resolve_full(spec, lines, file)
 
 
@@ -370,8 +399,18 @@ def _relative(file: str | None, target: str) -> str:
     return os.path.normpath(os.path.join(os.path.dirname(file), target))
 
 
+def _run_tokens(spec: MixtureSpec, sequence_length: int, batch_size: int) -> int:
+    """The budget: total_tokens, else total_steps x batch_size x sequence_length."""
+    if spec.total_tokens is not None:
+        return spec.total_tokens
+    assert spec.total_steps is not None
+    return spec.total_steps * batch_size * sequence_length
+
+
 def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
     issues: list[Issue] = []
+    assert spec.sequence_length is not None and spec.batch_size is not None
+    total_tokens = _run_tokens(spec, spec.sequence_length, spec.batch_size)
     default_epochs = spec.max_epochs if spec.max_epochs is not None else DEFAULT_MAX_EPOCHS
 
     def where(path: Path) -> Where:
@@ -429,7 +468,7 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
             )
             budget = Fraction(0)
         elif phase_spec.share is not None:
-            budget = _fraction(phase_spec.share) * spec.total_tokens
+            budget = _fraction(phase_spec.share) * total_tokens
         else:
             budget = Fraction(phase_spec.tokens or 0)
 
@@ -478,7 +517,7 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
         weights = {key: value / total for key, value in raw.items()} if total else raw
         phases.append(Phase(phase_spec.name, budget, weights, where(path), weight_where))
 
-    issues.extend(_check_budgets(spec, phases, lines))
+    issues.extend(_check_budgets(spec, phases, lines, total_tokens))
     if issues:
         raise MixtureError(sorted(issues, key=lambda issue: issue.line or 0))
     return Mixture(
@@ -486,7 +525,9 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
         description=spec.description,
         file=file,
         tokenizer=spec.tokenizer or "",
-        total_tokens=spec.total_tokens,
+        total_tokens=total_tokens,
+        total_steps=spec.total_steps,
+        provenance=_provenance(spec),
         sequence_length=spec.sequence_length or 0,
         batch_size=spec.batch_size or 0,
         block_size=spec.block_size or spec.batch_size or 0,
@@ -501,7 +542,13 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
     )
 
 
-def _check_budgets(spec: MixtureSpec, phases: list[Phase], lines: Lines) -> list[Issue]:
+def _provenance(spec: MixtureSpec) -> dict[str, str] | None:
+    if spec.provenance is None:
+        return None
+    return {key: value for key, value in spec.provenance.model_dump().items() if value is not None}
+
+
+def _check_budgets(spec: MixtureSpec, phases: list[Phase], lines: Lines, total_tokens: int) -> list[Issue]:
     assert spec.phases is not None
     total = sum((phase.budget for phase in phases), Fraction(0))
     if all(p.share is not None for p in spec.phases) and all(p.tokens is None for p in spec.phases):
@@ -511,12 +558,12 @@ def _check_budgets(spec: MixtureSpec, phases: list[Phase], lines: Lines) -> list
         return []
     if any((p.share is None) == (p.tokens is None) for p in spec.phases):
         return []  # already reported per phase
-    if abs(total - spec.total_tokens) > SHARE_SUM_TOLERANCE * spec.total_tokens:
+    if abs(total - total_tokens) > SHARE_SUM_TOLERANCE * total_tokens:
         return [
             lines.issue(
                 ("phases",),
                 f"phase budgets sum to {format_count(float(total), 6)} ({round(total):,} tokens), "
-                f"but total_tokens is {format_count(spec.total_tokens, 6)} ({spec.total_tokens:,})",
+                f"but total_tokens is {format_count(total_tokens, 6)} ({total_tokens:,})",
             )
         ]
     return []
@@ -552,19 +599,24 @@ def _resolve_slice(
     parent = load_mixture_text(parent_text, parent_file, read)
     if parent.slice is not None:
         raise MixtureError([where.issue(f"{parent_file} is itself a slice; slice the full run instead")])
-    if spec.total_tokens > parent.total_tokens or spec.total_tokens == 0:
+    batch_size = spec.batch_size or parent.batch_size
+    sequence_length = spec.sequence_length or parent.sequence_length
+    if spec.total_tokens is None and spec.total_steps is None:
+        raise MixtureError([lines.issue(("total_tokens",), "required field missing (or give total_steps)")])
+    total_tokens = _run_tokens(spec, sequence_length, batch_size)
+    if total_tokens > parent.total_tokens or total_tokens == 0:
+        given = "total_tokens" if spec.total_tokens is not None else "total_steps"
         raise MixtureError(
             [
                 lines.issue(
-                    ("total_tokens",),
+                    (given,),
                     "a slice takes between 1 token and its full run's "
                     f"{format_count(parent.total_tokens, 6)}, "
-                    f"not {format_count(spec.total_tokens, 6)}",
+                    f"not {format_count(total_tokens, 6)}",
                 )
             ]
         )
-    fraction = Fraction(spec.total_tokens, parent.total_tokens)
-    batch_size = spec.batch_size or parent.batch_size
+    fraction = Fraction(total_tokens, parent.total_tokens)
     if spec.block_size is not None:
         block_size = spec.block_size
     elif parent.block_size_explicit:
@@ -580,8 +632,10 @@ def _resolve_slice(
         description=spec.description,
         file=file,
         tokenizer=parent.tokenizer,
-        total_tokens=spec.total_tokens,
-        sequence_length=spec.sequence_length or parent.sequence_length,
+        total_tokens=total_tokens,
+        total_steps=spec.total_steps,
+        provenance=_provenance(spec) or parent.provenance,
+        sequence_length=sequence_length,
         batch_size=batch_size,
         block_size=block_size,
         block_size_explicit=spec.block_size is not None or parent.block_size_explicit,

@@ -337,7 +337,8 @@ def build_ladder(
         if coefficient is not None:
             end = fraction * target_flops
             grid = [smallest * (end / smallest) ** (k / 47) for k in range(48)] if end > smallest else []
-            curve = [(c, fit["E"] + coefficient * c ** -fit["alpha"]) for c in grid]
+            alpha = (fit.get("alphas") or {}).get(str(fraction), fit["alpha"])  # per fraction: Marin's fit
+            curve = [(c, fit["E"] + coefficient * c**-alpha) for c in grid]
             series.append(svg.Series(f"fit at {_percent(fraction)}", curve, color, width=1.2, legend=False))
     level = _percent(float(ladder["band"].get("level", 0.95)))
     series.append(

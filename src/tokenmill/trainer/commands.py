@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from tokenmill.cli import UsageError
+from tokenmill.trainer.heuristic import HEURISTICS, MAY_RECIPE
 from tokenmill.units import format_count, parse_count
 
 log = logging.getLogger(__name__)
@@ -28,14 +29,19 @@ def _register_model(subparsers: argparse._SubParsersAction) -> None:
     model_sub = parser.add_subparsers(dest="model_command", metavar="ACTION")
     info = model_sub.add_parser(
         "info",
-        help="parameter counts (total and active) and training FLOPs of a model shape",
-        description="Parameter counts exclude embeddings and the output head (reported apart); training "
-        "FLOPs = 6 x active parameters x tokens + attention. See docs/trainer.md.",
+        help="parameter counts (total, active, stored) and the compute of a model shape",
+        description="Counts follow Marin's convention: total = projection matrices with the embedding and "
+        "head, active = those one token uses without them, stored = every number a checkpoint holds. "
+        "Compute at --tokens (default: the shape's reference run): forecast_compute = C as Marin's "
+        "ladder forecast prices it (no head, attention over the full span), train_flops = C + the head. "
+        "flops_per_token is the MFU convention. See docs/trainer.md.",
     )
-    info.add_argument("config", help="a model shape, e.g. configs/models/hero-535b-a23b.yaml")
-    info.add_argument("--tokens", help="training tokens, e.g. 18.75T: also print the total FLOPs")
+    info.add_argument("config", help="a model shape, e.g. configs/models/marin-535b-a23b.yaml")
+    info.add_argument(
+        "--tokens", help="training tokens, e.g. 18.75T (default: the shape's reference_run, if it has one)"
+    )
     info.add_argument("--seq-len", type=int, help="training sequence length (default: the model's)")
-    info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument("--json", action="store_true", help="print JSON (exact integers)")
     info.set_defaults(handler=_model_info)
     parser.set_defaults(handler=lambda args: parser.print_help() or 2)
 
@@ -54,27 +60,41 @@ def _model_info(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     moe = cfg.moe
+    kv = f"{cfg.n_kv_heads} kv"
+    if cfg.global_kv_heads is not None:
+        kv = f"kv {cfg.n_kv_heads} local / {cfg.global_kv_heads} global, {cfg.stored_kv_heads} stored"
+    n_global = sum(cfg.is_global(layer) for layer in range(cfg.n_layers))
+    attention = f"{n_global} of them global" if cfg.sliding_window else "all global"
+    latent = f" in a {moe.latent_dim} latent" if moe.latent_dim else ""
     print(
-        f"{cfg.name}: {format_count(info['total_params'])} total, "
-        f"{format_count(info['active_params'])} active"
+        f"{cfg.name}: {format_count(info['total_params'], 4)} total, "
+        f"{format_count(info['active_params'], 4)} active "
+        f"({info['total_params']:,} with the embedding and head; {info['active_params']:,} without)"
     )
     print(
-        f"  {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv) x "
-        f"{cfg.head_dim}, {moe.n_experts} experts top-{moe.top_k} x {moe.expert_hidden} + "
-        f"{moe.n_shared_experts} shared, vocab {cfg.vocab_size}"
+        f"  {cfg.n_layers} layers ({attention}), d_model {cfg.d_model}, {cfg.n_heads} heads ({kv}) x "
+        f"{cfg.head_dim}, {moe.n_experts} experts top-{moe.top_k} x {moe.expert_hidden}{latent} + "
+        f"{moe.n_shared_experts} shared x {moe.shared_hidden_width}, vocab {cfg.vocab_size}"
     )
     print(
-        f"  embeddings + head {format_count(info['embedding_params'])} (not in the counts above); "
-        f"with them {format_count(info['total_params_with_embeddings'])} total, "
-        f"{format_count(info['active_params_with_embeddings'])} active"
+        f"  stored {info['stored_params']:,} (embedding + head {info['embedding_params']:,}; norms, gates, "
+        f"SConv and the router bias {info['other_stored_params']:,})"
     )
+    if info["tokens"] is not None:
+        run = info["reference_run"]
+        from_run = run and not tokens
+        source = (
+            f" ({run['steps']:,} steps x {run['batch_size']:,} x {info['seq_len']:,})" if from_run else ""
+        )
+        print(
+            f"  {info['tokens']:,} tokens{source}: forecast compute {info['forecast_compute']:.4e} "
+            f"(no head, attention over the full span), with the head {info['train_flops']:.4e}"
+        )
     print(
-        f"  training FLOPs per token {info['flops_per_token']:.4g} "
-        f"(6 x active {6 * info['active_params']:.4g} + attention {info['attention_flops_per_token']:.4g} "
-        f"at seq_len {info['seq_len']})"
+        f"  MFU FLOPs per token {info['flops_per_token']:.4g} (6 x matmul weights + causal attention "
+        f"{info['attention_flops_per_token']:.4g} at seq_len {info['seq_len']}; "
+        f"head {info['head_flops_per_token']:.4g} apart)"
     )
-    if tokens is not None:
-        print(f"  {format_count(tokens, 4)} tokens: {info['total_flops']:.3e} FLOPs")
     return 0
 
 
@@ -129,16 +149,36 @@ def _register_train(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
     run.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first")
 
-    opt = parser.add_argument_group("optimizer and schedule")
-    opt.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
-    opt.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak")
-    opt.add_argument("--schedule", choices=["wsd", "linear"], default="wsd")
-    opt.add_argument("--warmup-steps", type=int, default=10)
+    opt = parser.add_argument_group(
+        "optimizer and schedule",
+        "Defaults follow the recipe. With muonh (the default for the Marin family: latent experts or "
+        "GatedNorm, configs/models/marin-*.yaml): Marin's run as trained, the learning-rate heuristic for "
+        "this run's tokens, width and batch, a linear schedule with 1% warmup down to 0.05, no clipping, no "
+        "weight decay. Otherwise AdamW at 3e-3, wsd with 10 warmup steps, clipping at 1, weight decay 0.1.",
+    )
+    opt.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon", "muonh"],
+        help="default: muonh for the Marin family, else adamw",
+    )
+    opt.add_argument(
+        "--lr-heuristic",
+        choices=sorted(HEURISTICS),
+        default=MAY_RECIPE.name,
+        help="muonh's learning-rate rule (default %(default)s, marin-community/marin#5951)",
+    )
+    opt.add_argument("--lr", type=float, help="peak learning rate (muonh: of MuonH and AdamH)")
+    opt.add_argument("--adam-lr", type=float, help="muonh: peak rate of the Adam group (embeddings, router)")
+    opt.add_argument("--beta1", type=float, help="Adam's beta1 (default: the heuristic's, else 0.9)")
+    opt.add_argument("--beta2", type=float, help="Adam's beta2 (default: the heuristic's, else 0.95)")
+    opt.add_argument("--epsilon", type=float, help="Adam's epsilon (default: the heuristic's, else 1e-8)")
+    opt.add_argument("--min-lr-ratio", type=float, help="final learning rate / peak (0.05 or 0.1)")
+    opt.add_argument("--schedule", choices=["wsd", "linear"], help="default: linear (muonh) or wsd")
+    opt.add_argument("--warmup-steps", type=int, help="default: 1%% of the steps (muonh) or 10")
     opt.add_argument("--decay-steps", type=int, help="wsd decay length (default: the last phase)")
     opt.add_argument("--total-steps", type=int, help="schedule length (default: the end of the last phase)")
-    opt.add_argument("--weight-decay", type=float, default=0.1)
-    opt.add_argument("--clip-norm", type=float, default=1.0)
+    opt.add_argument("--weight-decay", type=float, help="default: 0 (muonh) or 0.1")
+    opt.add_argument("--clip-norm", type=float, help="gradient global-norm clip, 0: none (default: 0 or 1)")
 
     ckpt = parser.add_argument_group("checkpoints and logging")
     ckpt.add_argument("--checkpoint-every", type=int, default=100)
@@ -191,6 +231,9 @@ def _train(args: argparse.Namespace) -> int:
             f"phase {args.phase!r} is not in the plan (phases: {', '.join(p.name for p in phases)})"
         )
 
+    total_steps = args.total_steps or phases[-1].end_step
+    optimizer = _optimizer_settings(args, model_cfg, total_steps, batch_size * seq_len)
+
     if args.synthetic:
         source = SyntheticSource(
             model_cfg.vocab_size, seq_len, batch_size, args.seed, jax.process_index(), jax.process_count()
@@ -211,15 +254,19 @@ def _train(args: argparse.Namespace) -> int:
         batch_size=batch_size,
         seq_len=seq_len,
         seed=args.seed,
-        lr=args.lr,
-        min_lr_ratio=args.min_lr_ratio,
-        warmup_steps=args.warmup_steps,
-        schedule=args.schedule,
+        lr=optimizer["lr"],
+        min_lr_ratio=optimizer["min_lr_ratio"],
+        warmup_steps=optimizer["warmup_steps"],
+        schedule=optimizer["schedule"],
         decay_steps=args.decay_steps,
         total_steps=args.total_steps,
-        optimizer=args.optimizer,
-        weight_decay=args.weight_decay,
-        clip_norm=args.clip_norm,
+        optimizer=optimizer["optimizer"],
+        weight_decay=optimizer["weight_decay"],
+        clip_norm=optimizer["clip_norm"],
+        adam_lr=optimizer["adam_lr"],
+        beta1=optimizer["beta1"],
+        beta2=optimizer["beta2"],
+        epsilon=optimizer["epsilon"],
         compute_dtype=args.compute_dtype,
         mesh=args.mesh,
         checkpoint_every=args.checkpoint_every,
@@ -233,6 +280,7 @@ def _train(args: argparse.Namespace) -> int:
             "tokens": args.tokens_dir,
             "synthetic": args.synthetic,
             "model_file": args.model,
+            "optimizer_defaults": optimizer.get("heuristic"),
         },
     )
     try:
@@ -249,6 +297,33 @@ def _train(args: argparse.Namespace) -> int:
             f"loss {first['loss']:.4f} -> {last['loss']:.4f}, {format_count(last['tokens'])} tokens"
         )
     return 0
+
+
+def _optimizer_settings(args: argparse.Namespace, model_cfg, total_steps: int, tokens_per_batch: int) -> dict:
+    """The optimizer and schedule: the command line's, else the recipe's defaults (see the group's help)."""
+    from tokenmill.trainer.heuristic import is_marin_family, warmup_steps_for
+
+    kind = args.optimizer or ("muonh" if is_marin_family(model_cfg) else "adamw")
+    if kind == "muonh":
+        tokens = total_steps * tokens_per_batch
+        recipe = HEURISTICS[args.lr_heuristic].hyperparameters(tokens, model_cfg.d_model, tokens_per_batch)
+        recipe["warmup_steps"] = warmup_steps_for(total_steps, recipe.pop("warmup_fraction"))
+        recipe["heuristic"] = {"name": recipe["heuristic"], "tokens": tokens, "d_model": model_cfg.d_model,
+                               "tokens_per_batch": tokens_per_batch}  # fmt: skip
+    else:
+        recipe = {"lr": 3e-3, "adam_lr": None, "beta1": 0.9, "beta2": 0.95, "epsilon": 1e-8,
+                  "min_lr_ratio": 0.1, "schedule": "wsd", "warmup_steps": 10, "clip_norm": 1.0,
+                  "weight_decay": 0.1, "heuristic": None}  # fmt: skip
+    given = {"lr": args.lr, "adam_lr": args.adam_lr, "beta1": args.beta1, "beta2": args.beta2,
+             "epsilon": args.epsilon, "min_lr_ratio": args.min_lr_ratio, "schedule": args.schedule,
+             "warmup_steps": args.warmup_steps, "clip_norm": args.clip_norm,
+             "weight_decay": args.weight_decay}  # fmt: skip
+    recipe.update({key: value for key, value in given.items() if value is not None})
+    if kind == "muonh" and args.lr is not None and args.adam_lr is None:
+        recipe["adam_lr"] = args.lr * 3 / 13  # keep Marin's ratio when only the MuonH rate is given
+    recipe["optimizer"] = kind
+    log.info("optimizer %s", {k: v for k, v in recipe.items() if k != "heuristic"})
+    return recipe
 
 
 def _load_plan(args: argparse.Namespace) -> dict:
@@ -328,15 +403,18 @@ def _register_ladder(subparsers: argparse._SubParsersAction) -> None:
         "ladder",
         help="scaling ladder: plan rungs from a model family, fit loss against compute, forecast a big run",
         description="Plan the rungs of a scaling ladder (configs/ladders/*.yaml) and, once they are trained, "
-        "fit L(C) = E + A*C^-alpha to their losses and forecast the big run. See docs/ladder.md.",
+        "fit L(C) = E + A*C^-alpha to their losses and forecast the big run (the shared-exponent procedure, "
+        "or Marin's: E fixed at 1.5, a law per 5% of training). See docs/ladder.md.",
     )
     sub = parser.add_subparsers(dest="ladder_command", metavar="ACTION")
     plan = sub.add_parser(
         "plan",
         help="each rung's tokens (k x active parameters), steps, FLOPs and mixture slice",
         description="Lay out the rungs of a ladder spec: tokens from the tokens-per-active-parameter rule "
-        "(rounded to whole mixture blocks), FLOPs from the trainer's counter, steps and each rung's mixture "
-        "as a slice of the big one (every source repeats as often as in the big run).",
+        "(rounded to whole mixture blocks, or to whole steps), compute (Marin's forecast C and the "
+        "trainer's FLOPs), steps, the optimizer settings Marin's heuristic gives (Marin family) and each "
+        "rung's mixture as a slice of the big one (every source repeats as often as at the big run's "
+        "budget).",
     )
     plan.add_argument("spec", help="a ladder spec, e.g. configs/ladders/marin.yaml")
     plan.add_argument(
@@ -354,8 +432,10 @@ def _register_ladder(subparsers: argparse._SubParsersAction) -> None:
         "fit",
         help="fit loss against compute over trained rungs and forecast the target's loss",
         description="Read each run's metrics.jsonl and config.json, take the smoothed loss at matched "
-        "fractions of each run's planned steps, fit L(C) = E + A_f*C^-alpha (E and alpha shared, one A per "
-        "fraction) and forecast the target's loss with a bootstrap band. Writes ladder.json.",
+        "fractions of each run's planned steps, fit L(C) = E + A_f*C^-alpha (--procedure shared: E and alpha "
+        "shared, one A per fraction, C the trainer's FLOPs; --procedure marin: E fixed, A and alpha per "
+        "fraction at every 5%, C Marin's forecast compute) and forecast the target's loss with a bootstrap "
+        "band. Writes ladder.json.",
     )
     fit.add_argument("runs", nargs="*", metavar="RUN_DIR", help="the rungs' run folders, e.g. runs/rung-*/")
     target = fit.add_argument_group("target (one of)")
@@ -375,15 +455,23 @@ def _register_ladder(subparsers: argparse._SubParsersAction) -> None:
         "given, and its actual losses at the same fractions, to compare with the forecast",
     )
     fit.add_argument(
+        "--procedure",
+        choices=["shared", "marin"],
+        default="shared",
+        help="shared: E and alpha shared by all fractions; marin: the reference run's forecast, E fixed "
+        "(--asymptote), A and alpha fitted separately at each fraction (default %(default)s)",
+    )
+    fit.add_argument(
+        "--asymptote", type=float, default=1.5, help="marin: the fixed irreducible loss (default %(default)s)"
+    )
+    fit.add_argument(
         "--fractions",
-        default="0.25,0.5,0.75,1",
-        help="fractions of each run's planned steps (default %(default)s)",
+        help="fractions of each run's planned steps (default 0.25,0.5,0.75,1; marin: every 0.05)",
     )
     fit.add_argument(
         "--window",
         type=float,
-        default=0.1,
-        help="smoothing window, a fraction of each run's planned steps (default %(default)s; at least 5 "
+        help="smoothing window, a fraction of each run's planned steps (default 0.1; marin 0.05; at least 5 "
         "steps and one mixture block)",
     )
     fit.add_argument("--bootstrap", type=int, default=400, help="bootstrap replicates (default %(default)s)")
@@ -433,12 +521,23 @@ def _ladder_counts(path: str | None, mixture_file: str) -> dict | None:
 
 def _print_ladder_plan(result: dict) -> None:
     target = result["target"]
+    rounded = "whole steps" if result.get("round_to") == "steps" else "whole mixture blocks"
     print(
         f"ladder {result['name']}: {len(result['rungs'])} rungs, {result['tokens_per_active_param']:g} "
-        f"tokens per active parameter, slices of {result['mixture']} "
+        f"tokens per active parameter (rounded to {rounded}), slices of {result['mixture']} "
         f"({format_count(result['mixture_tokens'], 4)} tokens)"
     )
-    header = ("rung", "model", "total", "active", "tokens", "tok/active", "seq x batch", "steps", "FLOPs")
+
+    def batch(item: dict) -> str:
+        """racks x sequences per rack x sequence length, or batch x sequence length."""
+        if not item.get("batch_size"):
+            return ""
+        racks = item.get("racks")
+        sequences = f"{racks} x {item['batch_size'] // racks:,}" if racks else f"{item['batch_size']:,}"
+        return f"{sequences} x {item['sequence_length']:,}"
+
+    header = ("rung", "model", "total", "active", "tokens", "tok/active", "sequences x length", "steps",
+              "C forecast", "FLOPs")  # fmt: skip
     rows = []
     for rung in result["rungs"]:
         rows.append(
@@ -449,8 +548,9 @@ def _print_ladder_plan(result: dict) -> None:
                 format_count(rung["active_params"], 4),
                 format_count(rung["tokens"], 4),
                 f"{rung['tokens_per_active_param']:.1f}",
-                f"{rung['sequence_length']} x {rung['batch_size']}",
+                batch(rung),
                 f"{rung['steps']:,}",
+                f"{rung['forecast_compute']:.4g}",
                 f"{rung['flops']:.3g}",
             )
         )
@@ -463,8 +563,9 @@ def _print_ladder_plan(result: dict) -> None:
             format_count(target["active_params"], 4),
             format_count(target["tokens"], 4),
             f"{target['tokens_per_active_param']:.1f}",
-            f"{target['sequence_length']}",
+            batch(target) or f"{target['sequence_length']}",
             f"{steps:,}" if steps else "",
+            f"{target['forecast_compute']:.4g}",
             f"{target['flops']:.3g}",
         )
     )
@@ -477,11 +578,24 @@ def _print_ladder_plan(result: dict) -> None:
                 for i, (cell, w) in enumerate(zip(row, widths))
             )
         )
+    print(
+        "  C forecast: Marin's compute (no head, full-span attention); FLOPs: the trainer's counter "
+        "(6 x active + causal attention), what MFU and the shared fit use"
+    )
+    for label, item in [*((rung["name"], rung) for rung in result["rungs"]), ("target", target)]:
+        optimizer = item.get("optimizer")
+        if optimizer:
+            print(
+                f"  {label}: muonh lr {optimizer['lr']:.4g} (adam {optimizer['adam_lr']:.4g}), "
+                f"beta1 {optimizer['beta1']:g}, beta2 {optimizer['beta2']:.4g}, "
+                f"epsilon {optimizer['epsilon']:.3g}, {optimizer['warmup_steps']:,} warmup steps, "
+                f"linear to {optimizer['min_lr_ratio']:g} ({optimizer['heuristic']})"
+            )
     for rung in result["rungs"]:
         phases = ", ".join(f"{p['name']} {p['start_step']:,}-{p['end_step']:,}" for p in rung["phases"])
         gap = rung["epoch_gap"]
         line = (
-            f"  {rung['name']}: steps {phases}; slice {rung['slice_fraction']:.4g} of the big run; "
+            f"  {rung['name']}: steps {phases}; slice {rung['slice_fraction']:.4g} of the big run's budget; "
             f"epochs per source within {100 * gap['run']:.2g}% of the big run's "
             f"(per phase {100 * gap['phase']:.2g}%)"
         )
@@ -489,14 +603,23 @@ def _print_ladder_plan(result: dict) -> None:
         if compare:
             line += (
                 f"; shipped {compare['name']}: {format_count(compare['tokens'], 4)} tokens, "
-                f"{compare['steps']:,} steps of {compare['batch_size']}, "
+                f"{compare['steps']:,} steps of {compare['batch_size']:,}, "
                 f"rule {100 * compare['tokens_difference']:+.1f}%"
             )
         print(line)
         for warning in rung["warnings"]:
             print(f"  warning: {rung['name']}: {warning}")
+    for warning in target.get("warnings", []):
+        print(f"  warning: target: {warning}")
+    if result.get("mixture_warnings"):
+        print(
+            f"  the mixture's plan has {len(result['mixture_warnings'])} warnings, the same in every slice "
+            f"(`tokenmill mixture plan {result['mixture']}` lists them)"
+        )
     names = list(result["full_epochs"])
-    if names:
+    if len(names) > 24:
+        print(f"epochs of each of the {len(names)} sources: --json (full_epochs, rungs[].epochs)")
+    elif names:
         print("epochs per source over the run (big run, then each rung):")
         width = max(len(n) for n in ["source", *names])
         labels = ["big run", *(r["name"] for r in result["rungs"])]
@@ -522,7 +645,8 @@ def _ladder_fit(args: argparse.Namespace) -> int:
     if not args.runs:
         raise UsageError("give the rungs' run folders, e.g. runs/ladder/rung-*/")
     try:
-        fractions = tuple(float(f) for f in args.fractions.split(",") if f.strip())
+        given = args.fractions.split(",") if args.fractions else []
+        fractions = tuple(float(f) for f in given if f.strip()) or None
     except ValueError as error:
         raise UsageError(f"--fractions: not a list of numbers: {args.fractions!r}") from error
     if args.bootstrap < 0:
@@ -557,13 +681,24 @@ def _ladder_fit(args: argparse.Namespace) -> int:
                 / (int(target_run.steps[0]) + 1)
                 * target_run.planned_steps,
             }
+            if target_run.forecast_per_step is not None:
+                target["forecast_compute"] = target_run.forecast_per_step * target_run.planned_steps
         else:
             raise UsageError(
                 "give the target: --target FLOPS, --target-model with --target-tokens, --ladder "
                 "SPEC or --target-run DIR"
             )
         result = fit_ladder(
-            runs, target, fractions, args.window, args.bootstrap, args.seed, args.level, target_run
+            runs,
+            target,
+            fractions,
+            args.window,
+            args.bootstrap,
+            args.seed,
+            args.level,
+            target_run,
+            procedure=args.procedure,
+            asymptote=args.asymptote,
         )
     except (LadderError, ValueError) as error:
         raise UsageError(str(error)) from error
@@ -612,13 +747,24 @@ def _print_ladder_fit(result: dict) -> None:
             )
         )
     fit = result["fit"]
-    a = ", ".join(f"A@{float(f):.0%} {value:.4g}" for f, value in fit["A"].items())
     sd = f"residual sd {fit['residual_sd']:.4g}, " if fit["residual_sd"] is not None else ""
-    print(
-        f"fit: L(C) = E + A_f * C^-alpha: E {fit['E']:.4f} [{fit['E_band'][0]:.4f}, {fit['E_band'][1]:.4f}], "
-        f"alpha {fit['alpha']:.4f} [{fit['alpha_band'][0]:.4f}, {fit['alpha_band'][1]:.4f}], {a} "
-        f"({sd}{fit['dof']} degrees of freedom)"
-    )
+    if result.get("procedure") == "marin":
+        laws = ", ".join(
+            f"{float(f):.0%} A {fit['A'][f]:.4g} alpha {fit['alphas'][f]:.4f}" for f in fit["alphas"]
+        )
+        compute = "Marin's forecast C" if result.get("compute") == "forecast" else "the trainer's FLOPs"
+        print(
+            f"fit (Marin's procedure, C {compute}): L = {fit['E']:g} + A_f * C^-alpha_f per fraction: {laws} "
+            f"({sd}{fit['dof']} degrees of freedom); final alpha band "
+            f"[{fit['alpha_band'][0]:.4f}, {fit['alpha_band'][1]:.4f}]"
+        )
+    else:
+        a = ", ".join(f"A@{float(f):.0%} {value:.4g}" for f, value in fit["A"].items())
+        print(
+            f"fit: L(C) = E + A_f * C^-alpha: E {fit['E']:.4f} [{fit['E_band'][0]:.4f}, "
+            f"{fit['E_band'][1]:.4f}], alpha {fit['alpha']:.4f} [{fit['alpha_band'][0]:.4f}, "
+            f"{fit['alpha_band'][1]:.4f}], {a} ({sd}{fit['dof']} degrees of freedom)"
+        )
     target = result["target"]
     name = f" ({target['name']}, {format_count(target['tokens'], 4)} tokens)" if target.get("tokens") else ""
     band = result["band"]

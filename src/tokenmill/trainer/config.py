@@ -1,11 +1,18 @@
 """Model shapes: the schema of configs/models/*.yaml and its loader.
 
-A model file names the transformer's shape and its mixture-of-experts layer, nothing about training. Shapes
-are validated here once, so that model.py can trust them.
+A model file names the transformer's shape and its mixture-of-experts layer. The only training fact it may
+carry is `reference_run`, the batch and steps a published shape was trained with, so that `model info` can
+price that run. Shapes are validated here once, so that model.py can trust them.
+
+Two families share the schema. The DeepSeek-V3-style options are the defaults; Marin's 535B-A23B adds a
+field per piece (latent experts, local/global KV heads, a global-layer rule, half RoPE, plain QK-norm with
+`qk_mult`, GatedNorm, XSA, the attention gate, SConv, logit-space quantile balancing, the final-logit
+z-loss and its initialisation), each off by default so that existing shapes keep their meaning.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -37,10 +44,24 @@ class MoEConfig(BaseModel):
     bias_rate: float = 1e-3
     # Step size towards the quantile solution: 1.0 jumps to it, smaller values smooth it (an EMA).
     quantile_rate: float = 1.0
+    # Where the router bias is added before top-k: to the scores (DeepSeek-V3) or to the raw logits (Marin).
+    # The combine weights are the unbiased scores either way.
+    bias_space: Literal["score", "logit"] = "score"
+    # Quantile balancing's estimator: None takes the exact quantile of the margins over this batch's tokens;
+    # a number reads it from a histogram of that many bins over the margins' live [min, max] (Marin: 10,000).
+    quantile_bins: int | None = None
     load_balance_loss: float = 0.0
+    # The router z-loss weight (mean squared log-sum-exp of the router logits); logged whatever its weight.
     z_loss: float = 0.0
     dispatch: Literal["capacity", "dropless"] = "capacity"
     capacity_factor: float = 1.25
+    # LatentMoE: the routed experts work in a narrower space. Tokens go d_model -> latent_dim (then RMSNorm)
+    # before dispatch and the combined expert output goes latent_dim -> d_model; the router and the shared
+    # experts still read the full-width token.
+    latent_dim: int | None = None
+    # Keep each shared expert's matrices apart instead of one fused SwiGLU of n_shared x width. The function
+    # is the same; an optimizer that orthogonalises per matrix (Muon) treats them differently.
+    separate_shared_experts: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
@@ -50,12 +71,37 @@ class MoEConfig(BaseModel):
             raise ValueError("quantile balancing needs top_k < n_experts (it reads the (k+1)-th score)")
         if self.capacity_factor <= 0:
             raise ValueError("capacity_factor must be positive")
+        if self.quantile_bins is not None and (self.balancing != "quantile" or self.quantile_bins < 2):
+            raise ValueError("quantile_bins needs balancing: quantile and at least 2 bins")
+        if self.latent_dim is not None and self.latent_dim <= 0:
+            raise ValueError("latent_dim must be positive")
         return self
 
     @property
+    def shared_hidden_width(self) -> int:
+        """Hidden width of one shared expert."""
+        return self.shared_hidden or self.expert_hidden
+
+    @property
     def shared_width(self) -> int:
-        """Hidden width of the fused shared-expert SwiGLU (0 when there are none)."""
-        return self.n_shared_experts * (self.shared_hidden or self.expert_hidden)
+        """Hidden width of all shared experts together (0 when there are none)."""
+        return self.n_shared_experts * self.shared_hidden_width
+
+
+class ReferenceRun(BaseModel):
+    """The run a published shape was trained with; `model info` prices it when no --tokens is given."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int
+    # Sequences of seq_len tokens per step.
+    batch_size: int
+
+    @model_validator(mode="after")
+    def _check(self) -> ReferenceRun:
+        if self.steps <= 0 or self.batch_size <= 0:
+            raise ValueError("steps and batch_size must be positive")
+        return self
 
 
 class ModelConfig(BaseModel):
@@ -72,31 +118,118 @@ class ModelConfig(BaseModel):
     head_dim: int
     # Longest sequence the model is built for; the FLOPs counter also uses it as the training length.
     seq_len: int
+    # KV heads on global-attention layers when they differ from n_kv_heads (then the sliding-window layers'
+    # count). K and V are stored at the larger count; a layer uses the first heads it needs.
+    global_kv_heads: int | None = None
     rope_theta: float = 10_000.0
+    # Rotary positions on the first rope_dims channels of each head (None: all of head_dim), pairing
+    # channel i with i + rope_dims/2 ("halves") or 2i with 2i+1 (interleaved); the rest carry no position.
+    rope_dims: int | None = None
+    rope_interleaved: bool = False
+    # False: global-attention layers get no rotary positions at all (NoPE), only the windowed ones do.
+    rope_on_global_layers: bool = True
     norm_eps: float = 1e-5
     qk_norm: bool = True
+    # Learnable per-channel scales on the q/k RMSNorm; False makes it a plain (non-parametric) RMS norm.
+    qk_norm_learnable: bool = True
+    qk_norm_eps: float | None = None  # None: norm_eps
+    # Queries are multiplied by this after the q/k norm: with unit-RMS q and k it sets the logits' scale.
+    qk_mult: float = 1.0
     sliding_window: int | None = None
     # Layers (0-based) that attend only to the last `sliding_window` tokens; the others attend globally.
     sliding_window_layers: list[int] = []
+    # The same by rule: layer i is global iff (i + 1) % global_every == 0 or it is the last layer; the
+    # others attend within sliding_window. Excludes sliding_window_layers.
+    global_every: int | None = None
+    # RMSNorm (learnable scale) on the token embeddings before the first layer.
+    embed_norm: bool = False
+    # GatedNorm after every RMSNorm of the residual stream (embedding, attention and MoE inputs, final):
+    # x * sigmoid(W_up silu(W_down x)) with W_down [d, rank], W_up [rank, d], no bias.
+    gated_norm_rank: int | None = None
+    # Exclusive self-attention: remove from each head's output its component along the token's own value.
+    xsa: bool = False
+    # Headwise output gate 2 * sigmoid(x W_gate), W_gate [d, n_heads] initialised to zero (a gate of 1).
+    attn_gate: bool = False
+    # Causal depthwise convolutions (kernel sconv_kernel, identity at init, never across documents) after the
+    # K and/or V projections and on the attention and MoE outputs before the residual add.
+    sconv_sites: list[Literal["k", "v", "attn", "mlp"]] = []
+    sconv_kernel: int = 4
+    # Weight of the final-logit z-loss, mean over tokens of logsumexp(logits)^2, added to the objective.
+    logit_z_loss: float = 0.0
     init_std: float = 0.02
+    # When set, the init std of every matrix is init_gain / sqrt(d_model) instead of init_std.
+    init_gain: float | None = None
+    # Truncated normal (at +-3 standard units, then scaled) instead of a plain normal.
+    init_truncated: bool = False
+    # Scale matrices that write into the residual stream by 1/sqrt(2 n_layers) at init (GPT-2's trick).
+    init_scale_outputs: bool = True
+    reference_run: ReferenceRun | None = None
     moe: MoEConfig
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        for field in ("n_kv_heads", "global_kv_heads"):
+            heads = getattr(self, field)
+            if heads is not None and (heads <= 0 or self.n_heads % heads):
+                raise ValueError(f"n_heads ({self.n_heads}) must be a positive multiple of {field} ({heads})")
+        if self.n_heads % self.stored_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of the stored KV heads")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even (rotary embeddings rotate pairs)")
+        if self.rope_dims is not None and (
+            self.rope_dims <= 0 or self.rope_dims % 2 or self.rope_dims > self.head_dim
+        ):
+            raise ValueError(f"rope_dims ({self.rope_dims}) must be even and between 2 and head_dim")
         bad = [i for i in self.sliding_window_layers if not 0 <= i < self.n_layers]
         if bad:
             raise ValueError(f"sliding_window_layers {bad} outside 0..{self.n_layers - 1}")
-        if self.sliding_window_layers and not self.sliding_window:
-            raise ValueError("sliding_window_layers given without sliding_window")
+        if (self.sliding_window_layers or self.global_every) and not self.sliding_window:
+            raise ValueError("sliding_window_layers or global_every given without sliding_window")
+        if self.global_every is not None and (self.global_every <= 0 or self.sliding_window_layers):
+            raise ValueError("global_every must be positive and excludes sliding_window_layers")
+        if self.gated_norm_rank is not None and self.gated_norm_rank <= 0:
+            raise ValueError("gated_norm_rank must be positive")
+        if self.sconv_kernel <= 0:
+            raise ValueError("sconv_kernel must be positive")
+        if len(set(self.sconv_sites)) != len(self.sconv_sites):
+            raise ValueError(f"sconv_sites {self.sconv_sites} repeats a site")
+        if self.moe.latent_dim is not None and self.moe.latent_dim > self.d_model:
+            raise ValueError(f"moe.latent_dim ({self.moe.latent_dim}) exceeds d_model ({self.d_model})")
         return self
+
+    @property
+    def stored_kv_heads(self) -> int:
+        """KV heads the K and V projections produce (the larger of the local and global counts)."""
+        return max(self.n_kv_heads, self.global_kv_heads or 0)
+
+    @property
+    def weight_std(self) -> float:
+        """Standard deviation of the matrices at init."""
+        return self.init_gain / math.sqrt(self.d_model) if self.init_gain is not None else self.init_std
+
+    @property
+    def qk_eps(self) -> float:
+        return self.norm_eps if self.qk_norm_eps is None else self.qk_norm_eps
+
+    def is_global(self, layer: int) -> bool:
+        """Whether a layer attends over the whole sequence (not within a sliding window)."""
+        if self.global_every is not None:
+            return (layer + 1) % self.global_every == 0 or layer == self.n_layers - 1
+        return layer not in self.sliding_window_layers
 
     def window(self, layer: int) -> int | None:
         """The attention window of a layer, or None for global attention."""
-        return self.sliding_window if layer in self.sliding_window_layers else None
+        return None if self.is_global(layer) else self.sliding_window
+
+    def kv_heads(self, layer: int) -> int:
+        """KV heads a layer attends with: the first this many of the stored ones."""
+        if self.is_global(layer) and self.global_kv_heads is not None:
+            return self.global_kv_heads
+        return self.n_kv_heads
+
+    def rotary(self, layer: int) -> bool:
+        """Whether a layer applies rotary positions."""
+        return self.rope_on_global_layers or not self.is_global(layer)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

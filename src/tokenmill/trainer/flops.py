@@ -1,20 +1,32 @@
-"""Parameter and FLOP counts of a model shape, and the measured peak that MFU divides by.
+"""Parameter counts, compute and FLOP counts of a model shape, and the measured peak that MFU divides by.
 
 The conventions, written down once (docs/trainer.md repeats them):
 
-- Parameter counts exclude the token embedding and the output head (Kaplan et al. 2020's non-embedding N),
-  the count that scaling ladders fit and that the model names (1.6B-A61M, 535B-A23B) use. Embedding and head
-  sizes are reported separately, and `*_with_embeddings` counts add them back.
-- total = every other parameter; active = what one token multiplies with: attention, norms, router, shared
-  experts and top_k of the routed experts. The router bias is state, not a parameter, and is not counted.
-- Training FLOPs per token = 6 x active (forward 2, backward 4) + attention: per layer, QK^T and AV cost
-  4 x context x d_attn forward, where context is the mean number of keys a causal query sees (about
-  seq_len/2, fewer in a sliding-window layer); x3 for training. The output head's 6 x d_model x vocab is NOT
-  in the count (as in 6N), so MFU from these numbers is conservative for small models with large vocabularies.
+- Counts follow Marin's convention, the one the reference names (1.6B-A61M ... 535B-A23B) are made in.
+  They count the model's projection matrices: attention (Q, K and V at the stored KV heads, O), the router,
+  the routed experts, the latent projections and the shared experts.
+  `total_params` adds the token embedding and the output head; `active_params` (what one token multiplies
+  with: top_k routed experts, everything else as in total) leaves them out. Norm scales, GatedNorm, the
+  attention gate, SConv and the router bias are in neither.
+- `stored_params` is every number a checkpoint holds for the model: the parameter pytree (norms, GatedNorm,
+  gates and SConv included) plus the router bias kept beside it ([n_layers, n_experts]). Computed here
+  from a formula and, in `stored_params_from_shapes`, from the initialised pytree's shapes; they agree.
+- `forecast_compute` is compute C as Marin's scaling-ladder forecast prices it (Levanter's
+  `lm_flops_per_token`, times 3 for training): matmuls at 2 FLOPs per multiply-add, no output head, and
+  attention over the full sequence times the span with no causal halving (4 x S x d_attn + 3 x S x heads
+  per token forward on a global layer, the window in place of S on a local one), counting n_layers //
+  global_every global layers as Levanter does (it ignores the forced-global last layer).
+  `train_flops` = forecast_compute + the head's 6 x d_model x vocab per token.
+- `flops_per_token` (what MFU divides by) = 6 x the matrices one token multiplies with (active, plus
+  GatedNorm and the attention gate) + attention: per layer, QK^T and AV cost 4 x context x d_attn forward,
+  where context is the mean number of keys a causal query sees (about seq_len/2, fewer in a sliding-window
+  layer); x3 for training. The output head's 6 x d_model x vocab is NOT in the count (as in 6N), so MFU
+  from these numbers is conservative for small models with large vocabularies.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -23,43 +35,135 @@ from tokenmill.trainer.config import ModelConfig
 
 @dataclass(frozen=True)
 class ParamCount:
-    total_params: int
-    active_params: int
+    total_params: int  # matrices, with the embedding and the head
+    active_params: int  # matrices one token multiplies with, without the embedding and the head
+    stored_params: int  # every number a checkpoint holds: parameters and the router bias
     embedding_params: int  # token embedding + output head
-    total_params_with_embeddings: int
-    active_params_with_embeddings: int
     attention_params: int
+    router_params: int
     routed_expert_params: int
+    latent_params: int  # latent_down + latent_up
     shared_expert_params: int
+    # What stored holds beyond total: norm scales, GatedNorm, attention gate, SConv, the router bias.
+    other_stored_params: int
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
 
+def _attention_matrices(cfg: ModelConfig) -> int:
+    """Wq, Wk, Wv (at the stored KV heads), Wo of one layer."""
+    q_width = cfg.n_heads * cfg.head_dim
+    return 2 * cfg.d_model * q_width + 2 * cfg.d_model * cfg.stored_kv_heads * cfg.head_dim
+
+
+def _per_token_gate_matrices(cfg: ModelConfig) -> int:
+    """Matrices outside the counts that every token still multiplies with: GatedNorm, the attention gate."""
+    d = cfg.d_model
+    gated_norm = 2 * d * cfg.gated_norm_rank if cfg.gated_norm_rank else 0
+    per_layer = 2 * gated_norm + (d * cfg.n_heads if cfg.attn_gate else 0)
+    n_outer = (1 + cfg.embed_norm) if cfg.gated_norm_rank else 0  # final (and embedding) GatedNorm
+    return cfg.n_layers * per_layer + n_outer * gated_norm
+
+
 def count_params(cfg: ModelConfig) -> ParamCount:
-    """Exact parameter counts of the pytree that model.init_params builds."""
-    d, m = cfg.d_model, cfg.moe
-    attention = d * cfg.n_heads * cfg.head_dim * 2 + d * cfg.n_kv_heads * cfg.head_dim * 2
-    if cfg.qk_norm:
-        attention += 2 * cfg.head_dim
-    norms = 2 * d
+    """Exact parameter counts of the pytree that model.init_params builds (see the module docstring)."""
+    d, m, layers = cfg.d_model, cfg.moe, cfg.n_layers
+    attention = _attention_matrices(cfg)
     router = d * m.n_experts
-    expert = 3 * d * m.expert_hidden  # SwiGLU: gate, up, down
+    width = m.latent_dim or d
+    expert = 3 * width * m.expert_hidden  # SwiGLU: gate, up, down
+    latent = 2 * d * m.latent_dim if m.latent_dim else 0
     shared = 3 * d * m.shared_width
-    per_layer_fixed = attention + norms + router + shared
-    total = cfg.n_layers * (per_layer_fixed + m.n_experts * expert) + d  # + final norm
-    active = cfg.n_layers * (per_layer_fixed + m.top_k * expert) + d
+    per_layer_fixed = attention + router + latent + shared
     embeddings = 2 * cfg.vocab_size * d  # untied embedding and head
+    active = layers * (per_layer_fixed + m.top_k * expert)
+    total = layers * (per_layer_fixed + m.n_experts * expert) + embeddings
+
+    kv_width = cfg.stored_kv_heads * cfg.head_dim
+    vectors = 2 * d  # attention and MoE RMSNorm scales
+    if cfg.qk_norm and cfg.qk_norm_learnable:
+        vectors += 2 * cfg.head_dim
+    vectors += m.latent_dim or 0  # the latent RMSNorm's scale
+    sconv_width = {"k": kv_width, "v": kv_width, "attn": d, "mlp": d}
+    sconv = cfg.sconv_kernel * sum(sconv_width[site] for site in cfg.sconv_sites)
+    per_layer_other = vectors + sconv + m.n_experts  # + the router bias
+    outer_vectors = d * (1 + cfg.embed_norm)  # final (and embedding) RMSNorm scales
+    other = layers * per_layer_other + outer_vectors + _per_token_gate_matrices(cfg)
     return ParamCount(
         total_params=total,
         active_params=active,
+        stored_params=total + other,
         embedding_params=embeddings,
-        total_params_with_embeddings=total + embeddings,
-        active_params_with_embeddings=active + embeddings,
-        attention_params=cfg.n_layers * attention,
-        routed_expert_params=cfg.n_layers * m.n_experts * expert,
-        shared_expert_params=cfg.n_layers * shared,
+        attention_params=layers * attention,
+        router_params=layers * router,
+        routed_expert_params=layers * m.n_experts * expert,
+        latent_params=layers * latent,
+        shared_expert_params=layers * shared,
+        other_stored_params=other,
     )
+
+
+def stored_params_from_shapes(cfg: ModelConfig) -> int:
+    """stored_params read off the real pytree: model.init_params under jax.eval_shape (nothing is allocated,
+    so this works for the 535B shape too) plus the router bias."""
+    # Imported here: counting by formula, which most callers want, should not pay for importing JAX.
+    import jax
+
+    from tokenmill.trainer import model
+
+    shapes = jax.eval_shape(lambda key: model.init_params(key, cfg), jax.random.key(0))
+    bias = jax.eval_shape(lambda: model.init_router_bias(cfg))
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes)) + math.prod(bias.shape)
+
+
+def reference_tokens(cfg: ModelConfig) -> int | None:
+    """Tokens of the shape's reference run (steps x sequences x seq_len), or None when it has none."""
+    run = cfg.reference_run
+    return run.steps * run.batch_size * cfg.seq_len if run else None
+
+
+def levanter_global_layers(cfg: ModelConfig) -> int:
+    """Global-attention layers as Levanter's FLOPs count them: n_layers // global_every under the rule
+    (the forced-global last layer is not counted), otherwise the layers that have no window."""
+    if cfg.global_every is not None:
+        return cfg.n_layers // cfg.global_every
+    return sum(cfg.is_global(layer) for layer in range(cfg.n_layers))
+
+
+def forecast_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token without the output head: 3 x Levanter's lm_flops_per_token (forward)."""
+    seq_len = seq_len or cfg.seq_len
+    d, m, heads, head_dim = cfg.d_model, cfg.moe, cfg.n_heads, cfg.head_dim
+    d_attn = heads * head_dim
+    width = m.latent_dim or d
+    mlp = 2 * 3 * width * m.expert_hidden * m.top_k + 2 * 3 * d * m.shared_width + 2 * d * m.n_experts
+    latent = 2 * 2 * d * m.latent_dim if m.latent_dim else 0
+    out_proj = 2 * d_attn * d
+
+    def qkv(kv_heads: int) -> int:
+        return 2 * d * (d_attn + 2 * kv_heads * head_dim)
+
+    def span(keys: int) -> int:  # QK^T, the mask/softmax and AV over `keys` keys, with no causal halving
+        return 4 * keys * d_attn + 3 * keys * heads
+
+    n_global = levanter_global_layers(cfg)
+    local_keys = min(cfg.sliding_window or seq_len, seq_len)
+    global_kv = cfg.global_kv_heads or cfg.n_kv_heads
+    flops = cfg.n_layers * (mlp + latent + out_proj)
+    flops += n_global * (qkv(global_kv) + span(seq_len))
+    flops += (cfg.n_layers - n_global) * (qkv(cfg.n_kv_heads) + span(local_keys))
+    return 3 * flops  # forward, and backward at twice the forward
+
+
+def forecast_compute(cfg: ModelConfig, tokens: int, seq_len: int | None = None) -> int:
+    """Compute C of training on `tokens` tokens, as Marin's ladder forecast prices it (no output head)."""
+    return forecast_flops_per_token(cfg, seq_len) * tokens
+
+
+def train_flops(cfg: ModelConfig, tokens: int, seq_len: int | None = None) -> int:
+    """forecast_compute plus the output head's forward and backward (6 x d_model x vocab per token)."""
+    return forecast_compute(cfg, tokens, seq_len) + 6 * cfg.d_model * cfg.vocab_size * tokens
 
 
 def mean_causal_context(seq_len: int, window: int | None = None) -> float:
@@ -79,25 +183,41 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> f
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token: 6 x active parameters + attention (see the module docstring)."""
-    return 6 * count_params(cfg).active_params + attention_flops_per_token(cfg, seq_len)
+    """Training FLOPs per token for MFU: 6 x the matrices a token multiplies with + causal attention."""
+    matmul_params = count_params(cfg).active_params + _per_token_gate_matrices(cfg)
+    return 6 * matmul_params + attention_flops_per_token(cfg, seq_len)
 
 
 def model_info(cfg: ModelConfig, tokens: int | None = None, seq_len: int | None = None) -> dict:
-    """What `tokenmill model info` prints: counts, FLOPs per token and, given tokens, the total."""
+    """What `tokenmill model info` prints: counts, compute at `tokens` (default: the reference run's), and
+    the MFU convention's FLOPs per token.
+
+    stored_params is computed twice, from the formula and from the initialised shapes; a disagreement is a
+    bug in one of them and raises rather than printing a wrong number.
+    """
     counts = count_params(cfg)
-    per_token = flops_per_token(cfg, seq_len)
-    info = {
+    from_shapes = stored_params_from_shapes(cfg)
+    if from_shapes != counts.stored_params:
+        raise RuntimeError(
+            f"{cfg.name}: stored parameters {counts.stored_params:,} by formula but {from_shapes:,} "
+            "in the initialised pytree"
+        )
+    if tokens is None:
+        tokens = reference_tokens(cfg)
+    run = cfg.reference_run
+    return {
         "name": cfg.name,
         **counts.as_dict(),
         "seq_len": seq_len or cfg.seq_len,
-        "flops_per_token": per_token,
+        "tokens": tokens,
+        "reference_run": {"steps": run.steps, "batch_size": run.batch_size} if run else None,
+        "forecast_flops_per_token": forecast_flops_per_token(cfg, seq_len),
+        "forecast_compute": forecast_compute(cfg, tokens, seq_len) if tokens is not None else None,
+        "train_flops": train_flops(cfg, tokens, seq_len) if tokens is not None else None,
+        "flops_per_token": flops_per_token(cfg, seq_len),
         "attention_flops_per_token": attention_flops_per_token(cfg, seq_len),
         "head_flops_per_token": 6 * cfg.d_model * cfg.vocab_size,
-        "tokens": tokens,
-        "total_flops": per_token * tokens if tokens is not None else None,
     }
-    return info
 
 
 # Dense bf16 peaks per chip, from the vendors' data sheets, for MFU on known accelerators.

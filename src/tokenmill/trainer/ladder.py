@@ -2,18 +2,23 @@
 
 A ladder spec (configs/ladders/*.yaml) names a family of model shapes (the rungs), the big run they
 forecast (the target), the big mixture and a tokens-per-active-parameter rule. `plan_ladder` gives each
-rung its tokens (k x active parameters, rounded to whole mixture blocks), steps, training FLOPs (the
-trainer's counter, `flops.py`) and its mixture as a `slice_of` the big one, so that every source repeats as
-often as in the big run (simulated epoching, docs/mixtures.md).
+rung its tokens (k x active parameters, rounded to whole mixture blocks, or with `round_to: steps` to
+whole steps: Marin's round(k x active / tokens per step)), steps, compute (Marin's forecast C and the
+trainer's FLOPs, `flops.py`), the optimizer settings Marin's heuristic gives it (Marin family), and its
+mixture as a `slice_of` the big one, so that every source repeats as often as in the big run (simulated
+epoching, docs/mixtures.md). A rung's batch may be given in racks of `sequences_per_rack` sequences.
 
 `fit_ladder` reads the rungs' runs/NAME/metrics.jsonl and config.json after training, takes each rung's
-smoothed loss at matched fractions of its planned steps, and fits
+smoothed loss at matched fractions of its planned steps, and fits one of two procedures:
 
-    L(C) = E + A_f * C^(-alpha)
+- "shared" (the default): L(C) = E + A_f * C^(-alpha) with the irreducible loss E and the exponent alpha
+  shared by every fraction f and one coefficient A_f per fraction, C the trainer's FLOPs;
+- "marin" (the reference run's own forecast): L = E + A_f * C^(-alpha_f) with E fixed (1.5) and A_f and
+  alpha_f fitted separately at every 5% of training, a straight line in log(L - E) against log C, C being
+  Marin's forecast compute (no head, full-span attention).
 
-with the irreducible loss E and the exponent alpha shared by every fraction f and one coefficient A_f per
-fraction. It forecasts the target's loss at the same fractions of its compute, with a band from a
-parametric bootstrap. docs/ladder.md explains the choices; nothing here imports JAX.
+Both forecast the target's loss at the same fractions of its compute, with a band from a parametric
+bootstrap. docs/ladder.md explains the choices; nothing here imports JAX.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import yaml
@@ -31,13 +36,19 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PositiveInt,
 
 from tokenmill import storage
 from tokenmill.trainer.config import ModelConfig, load_model_config
-from tokenmill.trainer.flops import count_params, flops_per_token
+from tokenmill.trainer.flops import count_params, flops_per_token, forecast_flops_per_token
+from tokenmill.trainer.heuristic import MAY_RECIPE, is_marin_family, warmup_steps_for
 from tokenmill.units import format_count, parse_count
 from tokenmill.validation import validation_problems
 
 FORMAT_VERSION = 1
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 DEFAULT_WINDOW = 0.1  # of a run's planned steps
+# Marin's procedure (experiments/grug/moe_hero_ep/plot_scaling_ladder.py): every 5%, asymptote 1.5.
+MARIN_FRACTIONS = tuple(round(0.05 * i, 2) for i in range(1, 21))
+MARIN_WINDOW = 0.05
+MARIN_ASYMPTOTE = 1.5
+PROCEDURES = ("shared", "marin")
 MIN_WINDOW_STEPS = 5
 CURVE_POINTS = 48
 
@@ -68,6 +79,7 @@ class RungSpec(BaseModel):
     tokens: Count | None = None
     sequence_length: PositiveInt | None = None
     batch_size: PositiveInt | None = None
+    racks: PositiveInt | None = None  # batch_size = racks x the ladder's sequences_per_rack
     block_size: PositiveInt | None = None
     # A hand-written slice spec of the same rung (mixtures/marin-ladder-*.yaml), planned side by side.
     compare: str | None = None
@@ -79,8 +91,10 @@ class TargetSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    tokens: Count | None = None  # default: the mixture's total_tokens
+    # default: the mixture's run, total_steps x tokens per step when it gives total_steps, else total_tokens
+    tokens: Count | None = None
     sequence_length: PositiveInt | None = None  # default: the mixture's
+    racks: PositiveInt | None = None  # its batch in racks: checked against the mixture's batch
 
 
 class LadderSpec(BaseModel):
@@ -95,6 +109,10 @@ class LadderSpec(BaseModel):
     sequence_length: PositiveInt | None = None
     batch_size: PositiveInt | None = None
     block_size: PositiveInt | None = None
+    sequences_per_rack: PositiveInt | None = None  # what a rung's `racks` multiplies
+    # "blocks": a rung's tokens are rounded to whole mixture blocks (lcm of batch and block); "steps": to
+    # whole steps, steps = round(k x active / tokens per step) (Marin), the last block possibly partial.
+    round_to: Literal["blocks", "steps"] = "blocks"
     target: TargetSpec
     rungs: list[RungSpec] = Field(min_length=1)
 
@@ -136,6 +154,16 @@ def load_ladder(path: str | os.PathLike[str]) -> Ladder:
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise LadderError(f"{path}: rungs: duplicate names {', '.join(duplicates)}")
+    for where, item in [
+        *((f"rungs[{i}]", rung) for i, rung in enumerate(spec.rungs)),
+        ("target", spec.target),
+    ]:
+        if item.racks is not None and spec.sequences_per_rack is None:
+            raise LadderError(
+                f"{path}: {where}.racks: give sequences_per_rack (sequences in one rack's batch)"
+            )
+        if item.racks is not None and getattr(item, "batch_size", None) is not None:
+            raise LadderError(f"{path}: {where}: give racks or batch_size, not both")
     return Ladder(
         file=path,
         spec=spec,
@@ -153,24 +181,69 @@ def _model(path: str) -> ModelConfig:
         raise LadderError(str(error)) from error
 
 
+def _racks_batch(spec: LadderSpec, racks: int | None) -> int | None:
+    return racks * spec.sequences_per_rack if racks is not None and spec.sequences_per_rack else None
+
+
 def target_of(ladder: Ladder) -> dict[str, Any]:
-    """The target's model, tokens and training FLOPs (tokens default to the mixture's total_tokens)."""
-    from tokenmill.mixtures import load_mixture
+    """The target's model, tokens and compute. Tokens default to the mixture's run: total_steps x tokens per
+    step when the mixture gives total_steps (the reference run: 390,251 steps, 18.005T tokens, of a mixture
+    budgeted at 18.75T), else its total_tokens."""
+    from tokenmill.mixtures import MixtureError, load_mixture
 
+    spec = ladder.spec
     cfg = _model(ladder.target_model)
-    tokens = ladder.spec.target.tokens
-    seq_len = ladder.spec.target.sequence_length
-    if tokens is None or seq_len is None:
+    tokens = spec.target.tokens
+    seq_len = spec.target.sequence_length
+    batch = _racks_batch(spec, spec.target.racks)
+    steps = None
+    warnings = []
+    try:
         mixture = load_mixture(ladder.mixture)
-        tokens = tokens if tokens is not None else mixture.total_tokens
-        seq_len = seq_len or mixture.sequence_length
-    return _target_record(cfg, ladder.target_model, tokens, seq_len)
+    except MixtureError as error:
+        raise LadderError(f"{ladder.file}: mixture: {error}") from error
+    seq_len = seq_len or mixture.sequence_length
+    if tokens is None:
+        if mixture.total_steps is not None:
+            steps = mixture.total_steps
+            tokens = steps * mixture.batch_size * mixture.sequence_length
+        else:
+            tokens = mixture.total_tokens
+        if batch is not None and batch != mixture.batch_size:
+            warnings.append(
+                f"{spec.target.racks} racks are {batch:,} sequences a step, the mixture's batch is "
+                f"{mixture.batch_size:,}"
+            )
+    record = _target_record(cfg, ladder.target_model, tokens, seq_len, batch or mixture.batch_size)
+    record["steps"] = steps
+    record["racks"] = spec.target.racks
+    record["steps_by_rule"] = max(
+        1, round(spec.tokens_per_active_param * record["active_params"] / (record["batch_size"] * seq_len))
+    )
+    if steps is not None and record["steps_by_rule"] != steps:
+        warnings.append(
+            f"{spec.tokens_per_active_param:g} tokens per active parameter make {record['steps_by_rule']:,} "
+            f"steps, the mixture plans {steps:,}"
+        )
+    record["warnings"] = warnings
+    return record
 
 
-def _target_record(cfg: ModelConfig, model_file: str, tokens: int, seq_len: int) -> dict[str, Any]:
+def _optimizer_record(cfg: ModelConfig, steps: int, tokens_per_step: int) -> dict[str, Any] | None:
+    """What `tokenmill train` defaults to for this run: Marin's heuristic for the Marin family, else None."""
+    if not is_marin_family(cfg):
+        return None
+    settings = MAY_RECIPE.hyperparameters(steps * tokens_per_step, cfg.d_model, tokens_per_step)
+    settings["warmup_steps"] = warmup_steps_for(steps, settings.pop("warmup_fraction"))
+    return settings
+
+
+def _target_record(
+    cfg: ModelConfig, model_file: str, tokens: int, seq_len: int, batch_size: int | None = None
+) -> dict[str, Any]:
     params = count_params(cfg)
     per_token = flops_per_token(cfg, seq_len)
-    return {
+    record = {
         "name": cfg.name,
         "model": model_file,
         "total_params": params.total_params,
@@ -180,7 +253,14 @@ def _target_record(cfg: ModelConfig, model_file: str, tokens: int, seq_len: int)
         "tokens_per_active_param": tokens / params.active_params,
         "flops_per_token": per_token,
         "flops": per_token * tokens,
+        "forecast_compute": forecast_flops_per_token(cfg, seq_len) * tokens,
     }
+    if batch_size:
+        record["batch_size"] = batch_size
+        tokens_per_step = batch_size * seq_len
+        if tokens % tokens_per_step == 0:
+            record["optimizer"] = _optimizer_record(cfg, tokens // tokens_per_step, tokens_per_step)
+    return record
 
 
 def target_from_model(model_file: str, tokens: int, seq_len: int | None = None) -> dict[str, Any]:
@@ -201,19 +281,20 @@ def _slice_text(
     seq: int | None,
     batch: int | None,
     block: int | None,
+    steps: int | None = None,
 ) -> str:
-    fields: dict[str, Any] = {
-        "name": name,
-        "description": description,
-        "slice_of": parent,
-        "total_tokens": tokens,
-    }
+    fields: dict[str, Any] = {"name": name, "description": description, "slice_of": parent}
+    if steps is not None:
+        fields["total_steps"] = steps
+    else:
+        fields["total_tokens"] = tokens
     for key, value in (("sequence_length", seq), ("batch_size", batch), ("block_size", block)):
         if value is not None:
             fields[key] = value
+    rounded = "whole steps" if steps is not None else "whole mixture blocks"
     header = (
         "# Written by `tokenmill ladder plan`: a slice of the big mixture (simulated epoching), tokens from\n"
-        "# the ladder's tokens-per-active-parameter rule rounded to whole mixture blocks.\n"
+        f"# the ladder's tokens-per-active-parameter rule rounded to {rounded}.\n"
     )
     return header + yaml.safe_dump(fields, sort_keys=False, width=110)
 
@@ -267,7 +348,7 @@ def plan_ladder(
         params = count_params(cfg)
         requested = rung.tokens if rung.tokens is not None else round(k * params.active_params)
         seq = rung.sequence_length or spec.sequence_length
-        batch = rung.batch_size or spec.batch_size
+        batch = rung.batch_size or _racks_batch(spec, rung.racks) or spec.batch_size
         block = rung.block_size or spec.block_size
         slice_name = f"{spec.name}-{rung.name}"
         description = f"rung {rung.name} of ladder {spec.name} ({cfg.name}), a slice of {mixture.name}"
@@ -282,27 +363,50 @@ def plan_ladder(
             probe = load_mixture_text(
                 _slice_text(slice_name, description, ladder.mixture, max(1, requested), seq, batch, block)
             )
-            granule = math.lcm(probe.batch_size, probe.block_size) * probe.sequence_length
-            tokens = min(max(granule, round(requested / granule) * granule), mixture.total_tokens)
+            tokens_per_step = probe.batch_size * probe.sequence_length
+            steps: int | None = None
+            if spec.round_to == "steps":
+                wanted = rung.tokens if rung.tokens is not None else k * params.active_params
+                steps = max(1, round(wanted / tokens_per_step))
+                tokens = steps * tokens_per_step
+                if tokens > mixture.total_tokens:
+                    raise LadderError(
+                        f"{ladder.file}: rung {rung.name}: {steps:,} steps are {format_count(tokens, 4)} "
+                        f"tokens, more than the big mixture's {format_count(mixture.total_tokens, 4)}"
+                    )
+            else:
+                granule = math.lcm(probe.batch_size, probe.block_size) * probe.sequence_length
+                tokens = min(max(granule, round(requested / granule) * granule), mixture.total_tokens)
             if output:
                 spec_file = os.path.join(output, f"{rung.name}.yaml")
                 parent = os.path.relpath(ladder.mixture, output)
-                text = _slice_text(slice_name, description, parent, tokens, seq, batch, block)
+                text = _slice_text(slice_name, description, parent, tokens, seq, batch, block, steps)
                 Path(spec_file).write_text(text, encoding="utf-8")
                 sliced = load_mixture(spec_file)
             else:
                 spec_file = None
                 sliced = load_mixture_text(
-                    _slice_text(slice_name, description, ladder.mixture, tokens, seq, batch, block)
+                    _slice_text(slice_name, description, ladder.mixture, tokens, seq, batch, block, steps)
                 )
             plan = plan_mixture(sliced, counts).to_json()
         except MixtureError as error:
             raise LadderError(f"{ladder.file}: rung {rung.name}: {error}") from error
         seq_len = plan["sequence_length"]
         per_token = flops_per_token(cfg, seq_len)
-        warnings = list(plan["warnings"])
+        # The slice plan's own warnings are about the mixture (weights that round away in a block), the
+        # same for every rung: the full plan's are printed once, a rung keeps only what is its own.
+        warnings = [w for w in plan["warnings"] if w not in full_plan["warnings"]]
         if seq_len > cfg.seq_len:
             warnings.append(f"sequence length {seq_len} is longer than {cfg.name}'s seq_len {cfg.seq_len}")
+        reference = getattr(cfg, "reference_run", None)
+        if reference is not None and (reference.steps, reference.batch_size) != (
+            plan["total_steps"],
+            plan["batch_size"],
+        ):
+            warnings.append(
+                f"{cfg.name}'s reference run is {reference.steps:,} steps of {reference.batch_size:,} "
+                f"sequences, this plan {plan['total_steps']:,} of {plan['batch_size']:,}"
+            )
         record: dict[str, Any] = {
             "name": rung.name,
             "model": model_file,
@@ -314,6 +418,7 @@ def plan_ladder(
             "tokens_per_active_param": plan["planned_tokens"] / params.active_params,
             "sequence_length": seq_len,
             "batch_size": plan["batch_size"],
+            "racks": rung.racks,
             "block_size": plan["block_size"],
             "steps": plan["total_steps"],
             "phases": [
@@ -327,6 +432,8 @@ def plan_ladder(
             ],
             "flops_per_token": per_token,
             "flops": per_token * plan["planned_tokens"],
+            "forecast_compute": forecast_flops_per_token(cfg, seq_len) * plan["planned_tokens"],
+            "optimizer": _optimizer_record(cfg, plan["total_steps"], plan["tokens_per_step"]),
             "mixture_spec": spec_file,
             "slice_fraction": plan["slice"]["fraction"] if plan.get("slice") else None,
             "epochs": {name: source["epochs"] for name, source in plan["sources"].items()},
@@ -358,6 +465,8 @@ def plan_ladder(
         "mixture_name": full_plan["name"],
         "mixture_tokens": full_plan["planned_tokens"],
         "tokens_per_active_param": k,
+        "round_to": spec.round_to,
+        "mixture_warnings": full_plan["warnings"],
         "full_epochs": {name: source["epochs"] for name, source in full_plan["sources"].items()},
         "target": target,
         "rungs": rungs,
@@ -383,6 +492,34 @@ class RunCurve:
     planned_steps: int
     block_steps: int
     info: dict[str, Any] = field(default_factory=dict)
+    # Marin's forecast compute C of one step (no head, full-span attention), from the run's model and
+    # tokens per step; None when config.json does not say enough to price it.
+    forecast_per_step: float | None = None
+
+    def compute(self, step: int, convention: str = "trainer") -> float:
+        """Compute spent up to and including `step`: the trainer's logged FLOPs or Marin's forecast C."""
+        if convention == "forecast":
+            if self.forecast_per_step is None:
+                raise LadderError(f"{self.path}: its config.json does not give the model to price Marin's C")
+            return self.forecast_per_step * (step + 1)
+        return float(self.flops[np.searchsorted(self.steps, step)])
+
+
+def _forecast_per_step(config: dict[str, Any]) -> float | None:
+    """C of one training step of the run in config.json, or None (an old run, or a synthetic one)."""
+    plan = config.get("plan") or {}
+    train = config.get("train") or {}
+    seq_len = plan.get("sequence_length") or train.get("seq_len")
+    tokens_per_step = plan.get("tokens_per_step") or (
+        train.get("batch_size") * seq_len if train.get("batch_size") and seq_len else None
+    )
+    try:
+        cfg = ModelConfig.model_validate(config.get("model") or {})
+    except ValidationError:
+        return None
+    if not tokens_per_step:
+        return None
+    return float(forecast_flops_per_token(cfg, seq_len or cfg.seq_len) * tokens_per_step)
 
 
 def read_run(path: str) -> RunCurve:
@@ -438,6 +575,7 @@ def read_run(path: str) -> RunCurve:
             "tokens_per_step": plan.get("tokens_per_step"),
             "mixture": plan.get("name"),
         },
+        forecast_per_step=_forecast_per_step(config),
     )
 
 
@@ -476,9 +614,14 @@ def smoothed_loss(steps: np.ndarray, loss: np.ndarray, at: int, window: int) -> 
 
 
 def matched_points(
-    run: RunCurve, fractions: tuple[float, ...] = DEFAULT_FRACTIONS, window: float = DEFAULT_WINDOW
+    run: RunCurve,
+    fractions: tuple[float, ...] = DEFAULT_FRACTIONS,
+    window: float = DEFAULT_WINDOW,
+    convention: str = "trainer",
 ) -> tuple[list[Point], list[str]]:
-    """The run's points at each fraction of its planned steps; a warning for each fraction not reached."""
+    """The run's points at each fraction of its planned steps; a warning for each fraction not reached.
+
+    convention: the compute of a point, "trainer" (the logged FLOPs) or "forecast" (Marin's C)."""
     width = max(MIN_WINDOW_STEPS, run.block_steps, round(window * run.planned_steps))
     points, warnings = [], []
     logged = set(run.steps.tolist())
@@ -491,8 +634,7 @@ def matched_points(
             )
             continue
         loss, se, used = smoothed_loss(run.steps, run.loss, at, width)
-        flops = float(run.flops[np.searchsorted(run.steps, at)])
-        points.append(Point(run.path, fraction, at, flops, loss, se, used))
+        points.append(Point(run.path, fraction, at, run.compute(at, convention), loss, se, used))
     return points, warnings
 
 
@@ -584,14 +726,25 @@ def _percentiles(values: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarr
 def fit_ladder(
     runs: list[RunCurve],
     target: dict[str, Any],
-    fractions: tuple[float, ...] = DEFAULT_FRACTIONS,
-    window: float = DEFAULT_WINDOW,
+    fractions: tuple[float, ...] | None = None,
+    window: float | None = None,
     bootstrap: int = 400,
     seed: int = 0,
     level: float = 0.95,
     target_run: RunCurve | None = None,
+    procedure: str = "shared",
+    asymptote: float = MARIN_ASYMPTOTE,
 ) -> dict[str, Any]:
-    """Fit the ladder and forecast the target: the ladder.json document (docs/ladder.md)."""
+    """Fit the ladder and forecast the target: the ladder.json document (docs/ladder.md).
+
+    procedure: "shared" (E and alpha shared by all fractions, fitted) or "marin" (E fixed at `asymptote`,
+    A and alpha fitted separately at each fraction). fractions and window default to the procedure's.
+    """
+    if procedure not in PROCEDURES:
+        raise LadderError(f"unknown procedure {procedure!r} ({' or '.join(PROCEDURES)})")
+    marin = procedure == "marin"
+    fractions = fractions or (MARIN_FRACTIONS if marin else DEFAULT_FRACTIONS)
+    window = window if window is not None else (MARIN_WINDOW if marin else DEFAULT_WINDOW)
     if len(runs) < 3:
         raise LadderError(
             f"a ladder fit needs at least 3 runs, got {len(runs)}"
@@ -603,6 +756,8 @@ def fit_ladder(
     if bad or not fractions:
         raise LadderError(f"fractions must be in (0, 1], got {', '.join(map(str, fractions)) or 'none'}")
     fractions = tuple(sorted(set(fractions)))
+    if marin:
+        return _fit_marin(runs, target, fractions, window, bootstrap, seed, level, target_run, asymptote)
     points: list[Point] = []
     warnings: list[str] = []
     for run in runs:
@@ -672,6 +827,8 @@ def fit_ladder(
 
     result: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
+        "procedure": "shared",
+        "compute": "trainer",
         "law": "L(C) = E + A_f * C^-alpha; E and alpha shared, one A_f per fraction of training",
         "fractions": list(used),
         "window": window,
@@ -759,4 +916,222 @@ def fit_ladder(
             result["warnings"].append(
                 f"target run {target_run.path} plans {run_flops:.3e} FLOPs, the target {target_flops:.3e}"
             )
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Marin's procedure
+
+
+def fit_fixed_asymptote(compute: np.ndarray, loss: np.ndarray, asymptote: float) -> tuple[float, float]:
+    """A and alpha of L = E + A * C^-alpha for a given E: least squares of log(L - E) on log C."""
+    slope, intercept = np.polyfit(np.log(compute), np.log(loss - asymptote), 1)
+    return float(math.exp(intercept)), float(-slope)
+
+
+def _fit_marin(
+    runs: list[RunCurve],
+    target: dict[str, Any],
+    fractions: tuple[float, ...],
+    window: float,
+    bootstrap: int,
+    seed: int,
+    level: float,
+    target_run: RunCurve | None,
+    asymptote: float,
+) -> dict[str, Any]:
+    """Marin's forecast (plot_scaling_ladder.py): at every fraction f, L = E + A_f * C^-alpha_f through the
+    rungs' points with E fixed, C Marin's forecast compute; the target's loss at f is the law at f x its C.
+
+    The band is a parametric bootstrap like the shared procedure's: each fraction refitted on its fitted
+    losses plus Gaussian noise of each point's standard error and the fraction's excess residual variance.
+    """
+    warnings: list[str] = []
+    priced = all(run.forecast_per_step is not None for run in runs)
+    convention = "forecast" if priced else "trainer"
+    if not priced:
+        unpriced = ", ".join(run.path for run in runs if run.forecast_per_step is None)
+        warnings.append(
+            f"no model to price Marin's compute in {unpriced}: the fit uses the trainer's FLOPs instead"
+        )
+    points: list[Point] = []
+    for run in runs:
+        got, missing = matched_points(run, fractions, window, convention)
+        points += got
+        warnings += missing
+    low_points = [p for p in points if p.loss <= asymptote]
+    for p in low_points:
+        warnings.append(
+            f"{p.run}: loss {p.loss:.4f} at {p.fraction:.0%} is not above the asymptote {asymptote:g}; "
+            "that point is left out"
+        )
+    points = [p for p in points if p.loss > asymptote]
+    by_fraction = {f: [p for p in points if p.fraction == f] for f in fractions}
+    used = [f for f in fractions if len({p.run for p in by_fraction[f]}) >= 2]
+    for f in fractions:
+        if f not in used:
+            warnings.append(f"fewer than 2 runs have a point at {f:.0%}: no law there")
+    if not used:
+        raise LadderError(
+            "too few points to fit: no fraction has points from 2 runs; train the rungs further"
+        )
+    if used[-1] != fractions[-1]:
+        warnings.append(f"the forecast stops at {used[-1]:.0%}: no law at {fractions[-1]:.0%}")
+
+    if convention == "forecast" and target.get("forecast_compute") is not None:
+        target_compute = float(target["forecast_compute"])
+    else:
+        target_compute = float(target["flops"])
+    rng = np.random.default_rng(seed)
+    laws: dict[float, tuple[float, float]] = {}
+    samples: dict[float, list[tuple[float, float]]] = {}
+    fitted_of: dict[Point, float] = {}
+    noise: dict[Point, float] = {}
+    rss_total, dof_total, failed = 0.0, 0, 0
+    for f in used:
+        group = by_fraction[f]
+        c = np.array([p.flops for p in group])
+        y = np.array([p.loss for p in group])
+        se = np.array([p.loss_se for p in group])
+        a, alpha = fit_fixed_asymptote(c, y, asymptote)
+        laws[f] = (a, alpha)
+        fitted = asymptote + a * c**-alpha
+        rss = float(((y - fitted) ** 2).sum())
+        dof = len(group) - 2
+        rss_total += rss
+        dof_total += dof
+        excess = max(0.0, rss / dof - float(np.mean(se**2))) if dof > 0 else 0.0
+        sigma = np.sqrt(se**2 + excess)
+        for p, value, sd in zip(group, fitted, sigma, strict=True):
+            fitted_of[p], noise[p] = float(value), float(sd)
+        samples[f] = []
+        for _ in range(bootstrap):
+            yb = fitted + sigma * rng.standard_normal(len(y))
+            if np.any(yb <= asymptote):
+                failed += 1
+                continue
+            samples[f].append(fit_fixed_asymptote(c, yb, asymptote))
+
+    def law(f: float, compute: np.ndarray | float, a: float | None = None, alpha: float | None = None):
+        a_f, alpha_f = laws[f]
+        return asymptote + (a_f if a is None else a) * np.asarray(compute) ** -(
+            alpha_f if alpha is None else alpha
+        )
+
+    forecast = []
+    for f in used:
+        compute = f * target_compute
+        replicas = np.array([law(f, compute, a, alpha) for a, alpha in samples[f]])
+        low, high = _percentiles(replicas, level) if len(replicas) else (law(f, compute), law(f, compute))
+        forecast.append(
+            {
+                "fraction": f,
+                "flops": compute,
+                "loss": float(law(f, compute)),
+                "low": float(low),
+                "high": float(high),
+            }
+        )
+    final = used[-1]
+    curve_c = np.geomspace(
+        min(p.flops for p in points), max(target_compute, max(p.flops for p in points)), CURVE_POINTS
+    )
+    central_curve = law(final, curve_c)
+    if samples[final]:
+        curves = np.array([law(final, curve_c, a, alpha) for a, alpha in samples[final]])
+        curve_low, curve_high = _percentiles(curves, level)
+        params = np.array(samples[final])
+        (a_low, alpha_low), (a_high, alpha_high) = _percentiles(params, level)
+    else:
+        curve_low = curve_high = central_curve
+        a_low = a_high = laws[final][0]
+        alpha_low = alpha_high = laws[final][1]
+    if dof_total == 0:
+        warnings.append(
+            "every fraction's law is exactly determined (2 runs): the band carries the noise of the smoothed "
+            "losses only, not the misfit of the law"
+        )
+    target_record = dict(target)
+    target_record["trainer_flops"] = target.get("flops")
+    target_record["flops"] = target_compute
+    result: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "procedure": "marin",
+        "compute": convention,
+        "law": f"L(C) = {asymptote:g} + A_f * C^-alpha_f; asymptote fixed, A_f and alpha_f fitted separately "
+        "at each fraction of training (log-log least squares)",
+        "fractions": list(used),
+        "window": window,
+        "runs": [
+            {
+                "path": run.path,
+                "name": run.name,
+                "planned_steps": run.planned_steps,
+                "last_step": int(run.steps[-1]),
+                "final_flops": run.compute(int(run.steps[-1]), convention),
+                **run.info,
+            }
+            for run in runs
+        ],
+        "points": [
+            {
+                "run": p.run,
+                "fraction": p.fraction,
+                "step": p.step,
+                "flops": p.flops,
+                "loss": p.loss,
+                "loss_se": p.loss_se,
+                "window": p.window,
+                "fitted": fitted_of[p],
+            }
+            for p in points
+            if p.fraction in laws
+        ],
+        "fit": {
+            "E": asymptote,
+            "E_fixed": True,
+            "alpha": laws[final][1],
+            "alphas": {str(f): laws[f][1] for f in used},
+            "A": {str(f): laws[f][0] for f in used},
+            "E_band": [asymptote, asymptote],
+            "alpha_band": [float(alpha_low), float(alpha_high)],
+            "A_final_band": [float(a_low), float(a_high)],
+            "rss": rss_total,
+            "points": sum(len(by_fraction[f]) for f in used),
+            "parameters": 2 * len(used),
+            "dof": dof_total,
+            "residual_sd": math.sqrt(rss_total / dof_total) if dof_total > 0 else None,
+            "converged": True,
+        },
+        "band": {
+            "method": "parametric bootstrap per fraction: refit on fitted values plus Gaussian noise of each "
+            "point's standard error and the fraction's excess residual variance; percentile interval",
+            "level": level,
+            "replicates": bootstrap * len(used),
+            "failed": failed,
+            "seed": seed,
+            "noise_sd": [noise[p] for p in points if p in noise],
+        },
+        "target": target_record,
+        "forecast": forecast,
+        "curve": [
+            {
+                "flops": float(cc),
+                "loss": float(central_curve[i]),
+                "low": float(curve_low[i]),
+                "high": float(curve_high[i]),
+            }
+            for i, cc in enumerate(curve_c)
+        ],
+        "warnings": warnings,
+    }
+    result["final"] = dict(forecast[-1])
+    if target_run is not None:
+        actual, missing = matched_points(target_run, tuple(used), window, convention)
+        result["target"]["run"] = target_run.path
+        result["actual"] = [
+            {"fraction": p.fraction, "step": p.step, "flops": p.flops, "loss": p.loss, "loss_se": p.loss_se}
+            for p in actual
+        ]
+        result["warnings"] += [f"target run: {message}" for message in missing]
     return result

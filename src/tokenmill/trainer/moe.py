@@ -1,15 +1,20 @@
 """The mixture-of-experts block: a router picks top_k experts per token, SwiGLU experts run, outputs combine.
 
 What is here, top to bottom:
+- `rms_norm`, shared with model.py (the latent experts normalise their input too).
 - `route`: fp32 router scores (sigmoid or softmax); the router bias shifts which experts are chosen but not
   the weights they are combined with, so it never receives a gradient (DeepSeek-V3's auxiliary-loss-free
-  balancing). It also returns the per-expert load and the optional balance and z losses.
+  balancing). The bias is added to the scores or, with `bias_space: logit`, to the logits (Marin). It also
+  returns the per-expert load, the quantile-balancing bias and the optional balance and z losses.
 - two dispatches, chosen by `moe.dispatch`: "capacity" (GShard-style one-hot einsums with a fixed buffer per
   expert; tokens past the buffer are dropped and counted; fast on CPU and trivially shardable) and "dropless"
   (tokens sorted by expert and run through jax.lax.ragged_dot grouped matmuls; nothing dropped).
+- `moe_block`: routing, the optional latent projection around the routed experts (LatentMoE), the dispatch
+  and the shared experts.
 - `update_router_bias`: the bias update applied after each optimizer step, outside the optimizer.
 
-Shapes: B batch, S sequence, D d_model, E experts, k top_k, H expert hidden, C capacity per expert per row.
+Shapes: B batch, S sequence, D d_model (or latent_dim inside the routed experts), E experts, k top_k,
+H expert hidden, C capacity per expert per row.
 """
 
 from __future__ import annotations
@@ -37,24 +42,64 @@ def constrain(x: jax.Array, *spec: object) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
 
 
+def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm in fp32 (the mean of squares underflows in bf16), returned in x's dtype; no scale: plain."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if scale is not None:
+        normed = normed * scale
+    return normed.astype(x.dtype)
+
+
+def init_matrix(cfg: ModelConfig, key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
+    """One fp32 weight matrix: normal, or truncated at +-3 standard units (then scaled), times std."""
+    if cfg.init_truncated:
+        return std * jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32)
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def output_std(cfg: ModelConfig) -> float:
+    """Init std of matrices that write into the residual stream."""
+    # Smaller, so that the residual stream does not grow with depth (GPT-2's trick), unless turned off.
+    std = cfg.weight_std
+    return std / math.sqrt(2 * cfg.n_layers) if cfg.init_scale_outputs else std
+
+
 def init_moe_params(key: jax.Array, cfg: ModelConfig) -> Params:
-    """Router, routed experts ([E, ...] stacked) and the fused shared experts of one layer, in fp32."""
+    """Router, routed experts ([E, ...] stacked), latent projections and shared experts of one layer, fp32."""
     m, d = cfg.moe, cfg.d_model
     keys = jax.random.split(key, 7)
-    std = cfg.init_std
-    # Output projections start smaller so that the residual stream does not grow with depth (GPT-2's trick).
-    out_std = std / math.sqrt(2 * cfg.n_layers)
+    std, out_std = cfg.weight_std, output_std(cfg)
+    width = m.latent_dim or d  # what the routed experts read and write
 
     def normal(k: jax.Array, shape: tuple[int, ...], scale: float) -> jax.Array:
-        return scale * jax.random.normal(k, shape, jnp.float32)
+        return init_matrix(cfg, k, shape, scale)
 
     params = {
         "router": normal(keys[0], (d, m.n_experts), std),
-        "w_gate": normal(keys[1], (m.n_experts, d, m.expert_hidden), std),
-        "w_up": normal(keys[2], (m.n_experts, d, m.expert_hidden), std),
-        "w_down": normal(keys[3], (m.n_experts, m.expert_hidden, d), out_std),
+        "w_gate": normal(keys[1], (m.n_experts, width, m.expert_hidden), std),
+        "w_up": normal(keys[2], (m.n_experts, width, m.expert_hidden), std),
+        # With a latent space, latent_up is what writes into the residual stream, not w_down.
+        "w_down": normal(keys[3], (m.n_experts, m.expert_hidden, width), std if m.latent_dim else out_std),
     }
-    if m.shared_width:
+    if m.latent_dim:
+        # Keys folded in rather than split: shapes without these pieces draw the same weights as before.
+        key_down, key_up = jax.random.split(jax.random.fold_in(key, 1), 2)
+        params["latent_down"] = normal(key_down, (d, m.latent_dim), std)
+        params["latent_norm"] = jnp.ones((m.latent_dim,), jnp.float32)
+        params["latent_up"] = normal(key_up, (m.latent_dim, d), out_std)
+    if m.shared_width and m.separate_shared_experts:
+        hidden = m.shared_hidden_width
+        # A list of separate SwiGLUs; the keys keep the fused names so that sharding treats them alike.
+        params["shared_experts"] = [
+            {
+                "shared_gate": normal(kg, (d, hidden), std),
+                "shared_up": normal(ku, (d, hidden), std),
+                "shared_down": normal(kd, (hidden, d), out_std),
+            }
+            for kg, ku, kd in jax.random.split(jax.random.fold_in(key, 2), (m.n_shared_experts, 3))
+        ]
+    elif m.shared_width:
         params["shared_gate"] = normal(keys[4], (d, m.shared_width), std)
         params["shared_up"] = normal(keys[5], (d, m.shared_width), std)
         params["shared_down"] = normal(keys[6], (m.shared_width, d), out_std)
@@ -70,12 +115,37 @@ class Routing(NamedTuple):
     z_loss: jax.Array  # scalar, mean squared log-partition of the router logits
 
 
+def histogram_upper_quantile(values: jax.Array, rank: float, bins: int) -> jax.Array:
+    """Per column of values [T, E], the v with `rank` of the T values at or above it, from a histogram.
+
+    One grid for all columns: `bins` equal bins over the values' overall [min, max]. Counts are taken per
+    column, and the answer is interpolated linearly inside the bin where the count from the top crosses
+    `rank`. Marin's estimator: on a mesh the [T, E] array is global, so the counts (E x bins integers) are
+    summed across devices by one reduction, whatever the number of tokens.
+    """
+    t, e = values.shape
+    lo = jnp.min(values)
+    hi = jnp.maximum(jnp.max(values), lo + 1e-6)  # all-equal values would give zero-width bins
+    width = (hi - lo) / bins
+    index = jnp.clip(((values - lo) / width).astype(jnp.int32), 0, bins - 1)
+    flat = (jnp.arange(e, dtype=jnp.int32)[None, :] * bins + index).reshape(-1)
+    counts = jnp.bincount(flat, length=e * bins).reshape(e, bins).astype(jnp.float32)
+    from_top = jnp.cumsum(counts[:, ::-1], axis=-1)[:, ::-1]  # values in bins >= b
+    # The highest bin whose count from the top still reaches the rank (from_top never increases).
+    crossing = jnp.clip(jnp.sum(from_top >= rank, axis=-1) - 1, 0, bins - 1)
+    at_or_above = jnp.take_along_axis(from_top, crossing[:, None], axis=-1)[:, 0]
+    in_bin = jnp.take_along_axis(counts, crossing[:, None], axis=-1)[:, 0]
+    return lo + width * crossing + width * (at_or_above - rank) / jnp.maximum(in_bin, 1.0)
+
+
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, m: MoEConfig) -> Routing:
     """Choose top_k experts for each of T tokens x [T, D] (see the module docstring)."""
     # fp32 because top-k choices flip on small differences and the z-loss squares the logits.
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     scores = jax.nn.sigmoid(logits) if m.score_fn == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-    biased = scores + jax.lax.stop_gradient(bias)
+    # The quantity the bias shifts: top-k of (logit + b) and of (sigmoid(logit) + b) are different routings.
+    unbiased = logits if m.bias_space == "logit" else scores
+    biased = unbiased + jax.lax.stop_gradient(bias)
     top = min(m.top_k + 1, m.n_experts) if m.balancing == "quantile" else m.top_k
     top_values, top_ids = jax.lax.top_k(biased, top)
     expert_ids = top_ids[:, : m.top_k]
@@ -88,12 +158,18 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, m: MoEConfig) -> Rou
     load = chosen.sum((0, 1))
 
     if m.balancing == "quantile":
-        # Token t takes expert e iff scores[t, e] + bias[e] beats the best score it did not take (the
-        # (k+1)-th). The bias that gives expert e exactly a k/E share of tokens is therefore the k/E quantile
-        # of (cutoff - score) over tokens. Centred, since only differences between biases matter.
+        # Token t takes expert e iff unbiased[t, e] + bias[e] beats the best biased value it did not take
+        # (the (k+1)-th, its cutoff). The bias that gives expert e exactly a k/E share of tokens is therefore
+        # the k/E quantile of (cutoff - unbiased) over tokens, i.e. minus the upper k/E quantile of the
+        # margins (unbiased - cutoff). Centred, since only differences between biases matter.
         cutoff = jax.lax.stop_gradient(top_values[:, m.top_k])
-        required = cutoff[:, None] - jax.lax.stop_gradient(scores)
-        quantile_bias = jnp.quantile(required, m.top_k / m.n_experts, axis=0)
+        if m.quantile_bins:
+            margins = jax.lax.stop_gradient(unbiased) - cutoff[:, None]
+            rank = margins.shape[0] * m.top_k / m.n_experts
+            quantile_bias = -histogram_upper_quantile(margins, rank, m.quantile_bins)
+        else:
+            required = cutoff[:, None] - jax.lax.stop_gradient(unbiased)
+            quantile_bias = jnp.quantile(required, m.top_k / m.n_experts, axis=0)
         quantile_bias = quantile_bias - quantile_bias.mean()
     else:
         quantile_bias = jnp.zeros((m.n_experts,), jnp.float32)
@@ -189,18 +265,33 @@ class MoEStats(NamedTuple):
     z_loss: jax.Array
 
 
-def moe_block(params: Params, x: jax.Array, bias: jax.Array, m: MoEConfig) -> tuple[jax.Array, MoEStats]:
-    """The MoE MLP of one layer: x [B, S, D] -> y [B, S, D], plus routing statistics."""
+def moe_block(
+    params: Params, x: jax.Array, bias: jax.Array, m: MoEConfig, norm_eps: float = 1e-5
+) -> tuple[jax.Array, MoEStats]:
+    """The MoE MLP of one layer: x [B, S, D] -> y [B, S, D], plus routing statistics.
+
+    With a latent space the router reads x, the routed experts read RMSNorm(x @ latent_down) and their
+    weighted sum is mapped back by latent_up; the shared experts read x.
+    """
     b, s, d = x.shape
     routing = route(x.reshape(b * s, d), params["router"], bias, m)
     dispatch = capacity_dispatch if m.dispatch == "capacity" else dropless_dispatch
-    y, dropped = dispatch(x, routing, params, m)
-    if m.shared_width:
+    expert_in = x
+    if m.latent_dim:
+        # Narrow before dispatch so that the all-to-all carries latent_dim-wide rows both ways; the norm
+        # keeps the experts' input scale independent of latent_down's.
+        expert_in = x @ params["latent_down"].astype(x.dtype)
+        expert_in = rms_norm(expert_in, params["latent_norm"], norm_eps)
+    y, dropped = dispatch(expert_in, routing, params, m)
+    if m.latent_dim:
+        y = y @ params["latent_up"].astype(x.dtype)
+    shared = params.get("shared_experts", [params] if m.shared_width else [])
+    for expert in shared:
         y = y + swiglu(
             x,
-            params["shared_gate"].astype(x.dtype),
-            params["shared_up"].astype(x.dtype),
-            params["shared_down"].astype(x.dtype),
+            expert["shared_gate"].astype(x.dtype),
+            expert["shared_up"].astype(x.dtype),
+            expert["shared_down"].astype(x.dtype),
         )
     stats = MoEStats(routing.load, dropped, routing.quantile_bias, routing.balance_loss, routing.z_loss)
     return y, stats

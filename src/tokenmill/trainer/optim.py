@@ -1,18 +1,52 @@
-"""Learning-rate schedules that span phases, and the optimizer (AdamW, or Muon for matrices).
+"""Learning-rate schedules that span phases, the optimizers, and Marin's learning-rate heuristic.
 
 A schedule is a function of the global step over the whole run, not of one phase: pretraining runs the
 warmup and the stable part, and midtraining, started from pretraining's last checkpoint, continues at its
 own start step and therefore gets the decay. By default the decay is exactly the last phase.
+
+Three optimizers, all optax compositions (`make_optimizer`); their defaults for the Marin family come from
+Marin's learning-rate heuristic (`tokenmill.trainer.heuristic`):
+
+- "adamw": AdamW everywhere (weight decay on matrices only), after global-norm clipping.
+- "muon": Muon on hidden matrices with Moonlight's RMS matching, AdamW on embeddings, head and vectors.
+- "muonh": the reference run's optimizer (Marin's MuonH, docs/trainer.md). Hidden matrices take a Nesterov
+  momentum (0.95), five quintic Newton-Schulz steps and the *hyperball* step: move each matrix by lr x its
+  own Frobenius norm along the orthogonalised direction, then rescale it back onto the sphere of its
+  norm, so every matrix keeps the Frobenius norm it was initialised with (no weight decay is needed, none
+  is applied). The output head takes AdamH (Adam's direction, the same hyperball step, at the MuonH rate);
+  embeddings, router, attention gates, SConv kernels and norm scales take plain Adam at their own rate. No
+  clipping.
+
+Every optimizer here takes the learning rate at update time (`tx.update(..., learning_rate=lr)`) and returns
+the parameter increments: the hyperball step is not linear in the rate, so the rate cannot be multiplied
+onto a unit-rate update afterwards, and handing optax the schedule would evaluate it at optax's own step
+counter, which restarts or lags when a phase starts from an earlier phase's checkpoint. The train step
+evaluates the schedule at the global step in the train state and passes the value in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
+
+OptimizerKind = Literal["adamw", "muon", "muonh"]
+
+# Marin's "quintic" Newton-Schulz schedule: one (a, b, c) per step of X <- aX + (bA + cA^2)X, A = XX^T,
+# tuned for five steps (NVIDIA Emerging-Optimizers' coefficients, as levanter.optim.util names them).
+QUINTIC_NS_COEFFICIENTS = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+NS_EPS = 1e-8
+# Below this norm a matrix or an update counts as zero: the hyperball step divides by both.
+NORM_FLOOR = 1e-10
 
 
 @dataclass(frozen=True)
@@ -52,6 +86,146 @@ class Schedule:
         return jnp.where(step < self.warmup_steps, warm, decayed)
 
 
+# --- the transformations ---------------------------------------------------------------------------------
+
+
+def _matrix_dims(leaf: jax.Array) -> optax.contrib.MuonDimensionNumbers:
+    """The last two axes are one matrix [fan_in, fan_out]; leading axes (experts, layers) are a batch."""
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=leaf.ndim - 2, output_axis=leaf.ndim - 1)
+
+
+def _frobenius(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
+
+
+def orthogonalise(
+    x: jax.Array, coefficients: tuple = QUINTIC_NS_COEFFICIENTS, eps: float = NS_EPS
+) -> jax.Array:
+    """Newton-Schulz orthogonalisation of each matrix [..., in, out] (leading axes: a batch of matrices).
+
+    Each matrix is divided by its Frobenius norm (its singular values are then at most 1), transposed when
+    taller than wide (A = XX^T is then the smaller Gram matrix), and iterated X <- aX + (bA + cA^2)X once per
+    (a, b, c). For X = U S V^T the result is U S' V^T: the quintic schedule brings every singular value
+    above 1% of the largest into about [0.97, 1.15]. Runs in fp32 (Marin runs it in bf16).
+    """
+    work = x.astype(jnp.float32)
+    work = work / (_frobenius(work) + eps)
+    tall = work.shape[-2] > work.shape[-1]
+    if tall:
+        work = jnp.swapaxes(work, -1, -2)
+    for a, b, c in coefficients:
+        gram = work @ jnp.swapaxes(work, -1, -2)
+        work = a * work + (b * gram + c * gram @ gram) @ work
+    if tall:
+        work = jnp.swapaxes(work, -1, -2)
+    return work.astype(x.dtype)
+
+
+def newton_schulz(
+    coefficients: tuple[tuple[float, float, float], ...] = QUINTIC_NS_COEFFICIENTS, eps: float = NS_EPS
+) -> optax.GradientTransformation:
+    """Replace each matrix update by its orthogonalisation (`orthogonalise`), matrix by matrix."""
+
+    def update_fn(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, optax.EmptyState]:
+        del params
+        return jax.tree.map(lambda u: orthogonalise(u, coefficients, eps), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def hyperball_step() -> optax.GradientTransformationExtraArgs:
+    """Marin's scale-invariant step: each matrix moves by lr x its norm along the update, then returns to
+    its norm.
+
+        moved = W - lr * U * |W| / |U|        new = moved * |W| / |moved|        (|.|: Frobenius, per matrix)
+
+    Returns new - W, so that optax.apply_updates lands on the sphere. A stacked leaf [..., in, out] keeps
+    one norm per matrix (each expert on its own sphere). A zero matrix stays zero: route zero-initialised
+    weights to Adam.
+    """
+
+    def update_fn(
+        updates: Any, state: optax.EmptyState, params: Any = None, *, learning_rate: Any = 1.0, **extra: Any
+    ) -> tuple[Any, optax.EmptyState]:
+        del extra
+        if params is None:
+            raise ValueError("the hyperball step needs the parameters (their norms are the radii)")
+
+        def step(u: jax.Array, w: jax.Array) -> jax.Array:
+            radius = _frobenius(w)
+            moved = w - learning_rate * u * (radius / jnp.maximum(_frobenius(u), NORM_FLOOR))
+            new = moved * (radius / jnp.maximum(_frobenius(moved), NORM_FLOOR))
+            return (new - w).astype(w.dtype)
+
+        return jax.tree.map(step, updates, params), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+
+
+def times_learning_rate(factor: float = 1.0) -> optax.GradientTransformationExtraArgs:
+    """Multiply the updates by factor x the learning rate passed to update()."""
+
+    def update_fn(
+        updates: Any, state: optax.EmptyState, params: Any = None, *, learning_rate: Any = 1.0, **extra: Any
+    ) -> tuple[Any, optax.EmptyState]:
+        del params, extra
+        return jax.tree.map(lambda u: (factor * learning_rate * u).astype(u.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+
+
+def muonh_matrix(momentum: float = 0.95, coefficients: tuple = QUINTIC_NS_COEFFICIENTS):
+    """MuonH on a group of matrices: Nesterov momentum (m = mu m + g, u = mu m + g), Newton-Schulz, hyperball.
+
+    The momentum's scale does not matter (Newton-Schulz normalises it away), so optax.trace is Marin's
+    buffer exactly.
+    """
+    return optax.chain(
+        optax.trace(decay=momentum, nesterov=True), newton_schulz(coefficients), hyperball_step()
+    )
+
+
+def adamh_matrix(b1: float, b2: float, eps: float) -> optax.GradientTransformationExtraArgs:
+    """AdamH: bias-corrected Adam's direction m / (sqrt(v) + eps), then the hyperball step."""
+    return optax.chain(optax.scale_by_adam(b1, b2, eps), hyperball_step())
+
+
+# --- which parameter takes which rule --------------------------------------------------------------------
+
+# Keys (at any level of a parameter's path) whose leaves stay on plain Adam under MuonH, whatever their
+# shape: the embedding table (its rows are per token, not a linear map), the router (its logits feed the
+# balancing), the attention gate `attn.gate` (zero-initialised: a zero matrix cannot live on a hyperball)
+# and the SConv kernels (sconv_k, sconv_attn, ...). GatedNorm's projections (`*_gated_norm.down/up`) are
+# matrices like any other and take MuonH, as in Marin's routing.
+ADAM_KEYS = frozenset({"embed", "router", "gate"})
+ADAM_KEY_PREFIXES = ("sconv",)
+ADAMH_KEYS = frozenset({"lm_head"})
+
+
+def _keys(path: tuple) -> list[str]:
+    return [str(getattr(entry, "key", getattr(entry, "idx", entry))) for entry in path]
+
+
+def optimizer_groups(params: Any) -> Any:
+    """The MuonH group of each leaf: "muonh" (hidden matrices, GatedNorm's projections, experts),
+    "adamh" (the output head) or "adam" (embedding, router, attention gate, SConv kernels, vectors)."""
+
+    def group(path: tuple, leaf: jax.Array) -> str:
+        keys = _keys(path)
+        if ADAMH_KEYS.intersection(keys):
+            return "adamh"
+        if (
+            leaf.ndim < 2
+            or ADAM_KEYS.intersection(keys)
+            or any(k.startswith(ADAM_KEY_PREFIXES) for k in keys)
+        ):
+            return "adam"
+        return "muonh"
+
+    return jax.tree_util.tree_map_with_path(group, params)
+
+
 def _is_matrix(path: tuple, leaf: jax.Array) -> bool:
     return leaf.ndim >= 2
 
@@ -72,41 +246,64 @@ def _muon_dims(params: dict) -> dict:
         name = jax.tree_util.keystr(path)
         if leaf.ndim < 2 or "embed" in name or "lm_head" in name:
             return None
-        if leaf.ndim == 3:
-            return optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
-        return optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=1)
+        return _matrix_dims(leaf)
 
     return jax.tree_util.tree_map_with_path(dims, params)
 
 
 def make_optimizer(
-    params: dict,
-    kind: Literal["adamw", "muon"] = "adamw",
+    params: Any,
+    kind: OptimizerKind = "adamw",
     weight_decay: float = 0.1,
-    clip_norm: float = 1.0,
+    clip_norm: float | None = 1.0,
     b1: float = 0.9,
     b2: float = 0.95,
-) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW (or Muon on hidden matrices, Adam elsewhere), at a learning rate of 1.
+    eps: float = 1e-8,
+    adam_lr_ratio: float = 1.0,
+    momentum: float = 0.95,
+) -> optax.GradientTransformationExtraArgs:
+    """The optimizer; `update(grads, state, params, learning_rate=lr)` returns the parameter increments.
 
-    The train step multiplies the updates by schedule(global step) itself, rather than handing optax the
-    schedule: optax would evaluate it at its own step counter, which restarts or lags when a phase starts from
-    an earlier phase's checkpoint, while the global step in the train state is the one the schedule means.
+    clip_norm: global-norm clipping of the gradients first (None or 0: none, as in the reference run).
+    adam_lr_ratio (muonh only): the Adam group's rate over the learning rate passed in (Marin: 3/13; the
+    MuonH and AdamH groups take the rate itself). weight_decay: AdamW's decoupled decay on matrices; under
+    muonh it applies to the Adam group only (the reference run uses 0: the hyperball fixes every other
+    matrix's norm). params: shapes are enough (jax.eval_shape's output).
     """
     if kind == "adamw":
-        inner = optax.adamw(1.0, b1=b1, b2=b2, eps=1e-8, weight_decay=weight_decay, mask=_decay_mask)
+        inner = optax.chain(
+            optax.adamw(1.0, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_decay_mask),
+            times_learning_rate(),
+        )
     elif kind == "muon":
-        inner = optax.contrib.muon(
-            1.0,
-            weight_decay=weight_decay,
-            weight_decay_mask=_decay_mask,
-            adam_b1=b1,
-            adam_b2=b2,
-            adam_weight_decay=weight_decay,
-            muon_weight_dimension_numbers=_muon_dims(params),
-            # Moonlight's scaling: Muon's updates get AdamW's RMS, so one learning rate serves both groups.
-            consistent_rms=0.2,
+        inner = optax.chain(
+            optax.contrib.muon(
+                1.0,
+                weight_decay=weight_decay,
+                weight_decay_mask=_decay_mask,
+                adam_b1=b1,
+                adam_b2=b2,
+                adam_weight_decay=weight_decay,
+                muon_weight_dimension_numbers=_muon_dims(params),
+                # Moonlight's scaling: Muon's updates get AdamW's RMS, so one learning rate serves both.
+                consistent_rms=0.2,
+            ),
+            times_learning_rate(),
+        )
+    elif kind == "muonh":
+        adam = [optax.scale_by_adam(b1, b2, eps)]
+        if weight_decay:
+            adam.append(optax.add_decayed_weights(weight_decay, _decay_mask))
+        inner = optax.partition(
+            {
+                "muonh": muonh_matrix(momentum),
+                "adamh": adamh_matrix(b1, b2, eps),
+                "adam": optax.chain(*adam, times_learning_rate(-adam_lr_ratio)),
+            },
+            optimizer_groups,
         )
     else:
-        raise ValueError(f"unknown optimizer {kind!r}")
-    return optax.chain(optax.clip_by_global_norm(clip_norm), inner)
+        raise ValueError(f"unknown optimizer {kind!r} (adamw, muon or muonh)")
+    if clip_norm:
+        return optax.chain(optax.clip_by_global_norm(clip_norm), inner)
+    return optax.chain(inner)

@@ -84,9 +84,13 @@ class TrainConfig:
     schedule: Literal["wsd", "linear"] = "wsd"
     decay_steps: int | None = None  # wsd: default the last phase (or the last 20% of a one-phase run)
     total_steps: int | None = None  # schedule length: default the end of the last phase
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    optimizer: Literal["adamw", "muon", "muonh"] = "adamw"
     weight_decay: float = 0.1
-    clip_norm: float = 1.0
+    clip_norm: float = 1.0  # 0: no clipping
+    adam_lr: float | None = None  # muonh: the Adam group's peak rate (default lr x 3/13, Marin's ratio)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    epsilon: float = 1e-8
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     mesh: str | None = None  # "data,fsdp,expert"
     checkpoint_every: int = 100
@@ -121,9 +125,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, sc
             return model.loss_fn(params, state["router_bias"], tokens, segment_ids, model_cfg, dtype)
 
         (total_loss, (loss, stats)), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         lr = schedule(state["step"])
-        updates = jax.tree.map(lambda u: lr * u, updates)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"], learning_rate=lr)
         params = optax.apply_updates(state["params"], updates)
         router_bias = update_router_bias(state["router_bias"], stats.load, stats.quantile_bias, m)
         new_state = {
@@ -375,14 +378,23 @@ def compile_train_step(
     model_cfg: ModelConfig, cfg: TrainConfig, schedule: Schedule, mesh: jax.sharding.Mesh
 ) -> tuple:
     """(init_state, train_step, state shardings): jitted with explicit shardings, cached per configuration."""
-    key = (model_cfg.model_dump_json(), cfg.optimizer, cfg.weight_decay, cfg.clip_norm, cfg.compute_dtype,
-           schedule, mesh)  # fmt: skip
+    key = (model_cfg.model_dump_json(), cfg.optimizer, cfg.weight_decay, cfg.clip_norm, cfg.adam_lr,
+           cfg.beta1, cfg.beta2, cfg.epsilon, cfg.compute_dtype, schedule, mesh)  # fmt: skip
     if key in _COMPILED_STEPS:
         return _COMPILED_STEPS[key]
     dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
     # Shapes first, then shardings, then the real arrays are created directly in place on the mesh.
     abstract_params = jax.eval_shape(lambda key: model.init_params(key, model_cfg), jax.random.key(0))
-    tx = make_optimizer(abstract_params, cfg.optimizer, cfg.weight_decay, cfg.clip_norm)
+    tx = make_optimizer(
+        abstract_params,
+        cfg.optimizer,
+        cfg.weight_decay,
+        cfg.clip_norm,
+        cfg.beta1,
+        cfg.beta2,
+        cfg.epsilon,
+        adam_lr_ratio=cfg.adam_lr / cfg.lr if cfg.adam_lr and cfg.lr else 3 / 13,
+    )
 
     def init_state(key: jax.Array) -> dict:
         params = model.init_params(key, model_cfg)
