@@ -1,7 +1,7 @@
 """Benchmark: the domain and quality classification stages inside `tokenmill curate` against fastText's
 predict called on the same texts in a loop, and the held-out accuracy of each bundled model.
 
-The bundled models are trained first (scripts/make_classifier_data.py, `tokenmill classifier train`);
+The bundled models are trained first (tokenmill.samples.classifier_data, `tokenmill classifier train`);
 then a corpus of documents runs through a curate pipeline whose stages are just the two classifiers.
 The stages' own time comes from the pipeline's counters (CPU time inside each step, summed over workers),
 so the comparison is per core, like the loop.
@@ -22,8 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,16 +31,13 @@ def main() -> int:
 
     from tokenmill.cli import main as tokenmill
     from tokenmill.filters.classifiers import fasttext_text, load_fasttext
+    from tokenmill.formats.cards import CARD, read_card
 
     with tempfile.TemporaryDirectory() as temporary:
         root = Path(temporary)
+        # In a fresh process: the generated text depends on the modules loaded (tokenmill.samples.text).
         subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "make_classifier_data.py"),
-                "--output",
-                str(root / "data"),
-            ],
+            [sys.executable, "-m", "tokenmill.samples.classifier_data", "--output", str(root / "data")],
             check=True,
             capture_output=True,
         )
@@ -123,10 +118,10 @@ def main() -> int:
         loop_time = time.process_time() - started
 
         for kind in ("domain", "quality"):
-            card = json.loads((root / kind / "model.json").read_text())
+            card = read_card(str(root / kind / CARD))
             print(
-                f"{kind} model: held-out accuracy {card['holdout_metrics']['accuracy']:.3f} on "
-                f"{card['data']['holdout']} examples (synthetic data: scripts/make_classifier_data.py)"
+                f"{kind} model: held-out accuracy {card.holdout_metrics.accuracy:.3f} on "
+                f"{card.data.holdout} examples (synthetic data: tokenmill.samples.classifier_data)"
             )
         stage_rate = len(texts) / stage_time
         loop_rate = len(texts) / loop_time

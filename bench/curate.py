@@ -29,10 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import make_sample_corpus as sample  # noqa: E402
+from tokenmill.samples import text as sample
 
 CHAIN = [("gopher_repetition", {}), ("gopher_quality", {}), ("fineweb_quality", {}), ("c4", {})]
 
@@ -85,7 +82,7 @@ def run_tokenmill(input_dir: Path, output: Path, workers: int) -> tuple[float, s
         capture_output=True,
     )
     elapsed = time.perf_counter() - started
-    from tokenmill.documents import curated_dataset
+    from tokenmill.formats.documents import curated_dataset
 
     ids = curated_dataset(str(output / "curated")).to_table(columns=["id"]).column("id").to_pylist()
     return elapsed, {identifier.split(":", 1)[1] for identifier in ids}

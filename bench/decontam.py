@@ -3,13 +3,13 @@
 Three synthetic evaluation sets are written as JSON Lines and indexed with `tokenmill decontam index`:
 `qa` (reading-comprehension-like questions cut from held-out documentation prose, with short answers),
 `math` (word problems with random names and numbers behind a shared 18-word instruction template) and
-`trivia` (6 to 12 word question-and-answer items, below n = 13 words, matched whole), plus `filler`
+`trivia` (6 to 12 word question-and-answer items, under 13 words, matched whole), plus `filler`
 records of random prose that make the index the size of a larger evaluation suite. Documents are built
 from the other half of the prose (so clean documents share vocabulary and style with the `qa` items):
 
 * clean: 2 to 6 paragraphs of prose, nothing planted; every flag on them is a false positive. A tenth
-  are near misses: they also quote the math template, the first 12 words of a long item, or a trivia
-  question without its answer;
+  are near misses: they also quote the math template, the first third of a long item (at most 12
+  words), or a trivia question without its answer;
 * whole: a long item (qa or math) as its own paragraph, in one of three common layouts;
 * embedded: a long item inserted at a sentence boundary in the middle of a long paragraph;
 * edited: a long item with its case and punctuation changed and one word substituted, deleted or
@@ -19,7 +19,7 @@ from the other half of the prose (so clean documents share vocabulary and style 
 The stage and the baseline (`extract_ngrams`: normalizing and hashing the 13-grams of the same
 documents, what any n-gram decontamination must do) run in one process over batches of 256 documents,
 best of five, interleaved. Targets: recall at least 0.95 on whole and embedded items, false positives
-under 0.1%.
+under 0.1%. Then the trade-off: recall and false positives at several `min_coverage` thresholds.
 
     python bench/decontam.py [--clean 10000] [--planted 500] [--filler-records 200000]
 
@@ -30,6 +30,7 @@ the stage over documents per second of n-gram extraction alone.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import random
 import re
@@ -38,13 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import make_sample_corpus as sample  # noqa: E402
-
-from tokenmill.cli import main as tokenmill_main  # noqa: E402
-from tokenmill.filters.decontam import Decontaminate, extract_ngrams  # noqa: E402
+from tokenmill.cli import main as tokenmill_main
+from tokenmill.filters.decontam import Decontaminate, extract_ngrams
+from tokenmill.samples import text as sample
 
 BATCH = 256
 TEMPLATE = (
@@ -121,18 +118,44 @@ def split_sentences(paragraph: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+", paragraph) if s]
 
 
-def word_ngrams(text: str, n: int = 13) -> set[str]:
-    """Word n-grams as strings, computed without tokenmill: the ground truth for what is clean."""
-    words = re.sub(r"[\W_]+", " ", text.lower()).split()
-    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
+def words_of(text: str) -> list[str]:
+    return re.sub(r"[\W_]+", " ", text.lower()).split()
 
 
-def qa_items(
-    rng: random.Random, paragraphs: list[str], count: int, clean_ngrams: set[str]
-) -> tuple[list, int]:
-    """Questions cut from held-out prose. The documentation repeats itself (a function's docstring and its
-    method's), so a question sharing any 13-gram with the clean prose is left out: documents made from that
-    prose would hold it, and would not be clean."""
+class CleanProse:
+    """The prose that clean documents are made of, and whether it holds a text copied or edited: the
+    ground truth for what is clean, computed without tokenmill (difflib's matching blocks)."""
+
+    def __init__(self, paragraphs: list[str]):
+        self.paragraphs = [words_of(paragraph) for paragraph in paragraphs]
+        self.by_gram: dict[tuple[str, ...], set[int]] = {}
+        for number, words in enumerate(self.paragraphs):
+            for i in range(len(words) - 3):
+                self.by_gram.setdefault(tuple(words[i : i + 4]), set()).add(number)
+
+    def holds(self, text: str, share: float = 0.5) -> bool:
+        """Whether some paragraph holds `share` of the text's words in runs of two or more, in order."""
+        words = words_of(text)
+        candidates: dict[int, int] = {}
+        for i in range(len(words) - 3):
+            for number in self.by_gram.get(tuple(words[i : i + 4]), ()):
+                candidates[number] = candidates.get(number, 0) + 1
+        for number, shared in candidates.items():
+            if shared < 2:
+                continue
+            blocks = difflib.SequenceMatcher(None, words, self.paragraphs[number], autojunk=False)
+            matched = sum(block.size for block in blocks.get_matching_blocks() if block.size >= 2)
+            if matched >= share * len(words):
+                return True
+        return False
+
+
+def qa_items(rng: random.Random, paragraphs: list[str], count: int, clean: CleanProse) -> tuple[list, int]:
+    """Questions cut from held-out prose. The documentation repeats itself, verbatim (a function's docstring
+    and its method's) or with a word or two changed ("Return True if all cased characters in the string are
+    uppercase..." / "...are decimal characters..."): a question of which some clean paragraph holds half the
+    words, in order, is left out, as documents made from that prose would hold it copied or edited, and
+    would not be clean."""
     items, repeated = [], 0
     for paragraph in paragraphs:
         sentences = split_sentences(paragraph)
@@ -140,7 +163,7 @@ def qa_items(
         words = question.split()
         if not 12 <= len(words) <= 60:
             continue
-        if word_ngrams(question) & clean_ngrams:
+        if clean.holds(question):
             repeated += 1
             continue
         answer_words = paragraph.split()[-rng.randint(1, 4) :]
@@ -231,13 +254,14 @@ def make_documents(
     """(kind, text, words in the planted item) for each document, shuffled."""
     documents = [("clean", clean_document(rng, paragraphs), 0) for _ in range(clean - clean // 10)]
     # A tenth of the clean documents are near misses: they quote the math set's shared template, or the
-    # first 12 words of a long item (under n, so not an item), or a trivia question without its answer.
+    # first third of a long item (at most 12 words), or a trivia question without its answer.
     for _ in range(clean // 10):
         roll = rng.random()
         if roll < 1 / 3:
             near = TEMPLATE
         elif roll < 2 / 3:
-            near = " ".join(re.sub(r"[\W_]+", " ", item_text(rng.choice(long_items))).split()[:12])
+            words = re.sub(r"[\W_]+", " ", item_text(rng.choice(long_items))).split()
+            near = " ".join(words[: min(12, len(words) // 3)])
         else:
             near = rng.choice(short_items)["question"]
         documents.append(("clean", insert_mid_paragraph(rng, paragraphs, near), 0))
@@ -261,6 +285,16 @@ def make_documents(
         documents.append(("short", insert_mid_paragraph(rng, paragraphs, short), item_words(item)))
     rng.shuffle(documents)
     return documents
+
+
+#: The thresholds at which the trade-off is printed.
+CURVE = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def _counts_at(match: dict, threshold: float) -> bool:
+    """Whether a match reported at a lower min_coverage would be one at `threshold` (the stage's other
+    rules, whole short records and long passages quoted in part, do not depend on it)."""
+    return match["match"] in ("verbatim", "partial") or match["coverage"] >= threshold or match["words"] >= 40
 
 
 def best_times(*works, repeats: int = 5) -> list[float]:
@@ -288,8 +322,7 @@ def main() -> int:
     prose = sample.prose_paragraphs()
     rng.shuffle(prose)
     held_out, paragraphs = prose[: len(prose) // 2], prose[len(prose) // 2 :]
-    clean_ngrams = set().union(*map(word_ngrams, paragraphs))
-    qa, repeated = qa_items(rng, held_out, args.items, clean_ngrams)
+    qa, repeated = qa_items(rng, held_out, args.items, CleanProse(paragraphs))
     math = math_items(rng, args.items)
     trivia = trivia_items(rng, args.items)
     filler = filler_items(rng, prose, args.filler_records)
@@ -311,32 +344,35 @@ def main() -> int:
             f"{index.stat().st_size / 2**20:.1f} MiB"
         )
 
-        step = Decontaminate(str(index), action="flag")
-        step.setup()
         texts = [text for _, text, _ in documents]
         batches = [texts[i : i + BATCH] for i in range(0, len(texts), BATCH)]
 
-        def run_stage() -> list[dict | None]:
-            found = []
+        def run_stage(step: Decontaminate) -> list[dict]:
+            annotated = []
             for batch in batches:
                 batch_documents = [{"text": text, "metadata": "{}"} for text in batch]
                 step.apply(batch_documents)
-                found.extend(json.loads(d["metadata"]).get("contamination") for d in batch_documents)
-            return found
+                annotated.extend(batch_documents)
+            return annotated
 
         def run_extraction() -> None:
             for batch in batches:
                 extract_ngrams(batch, 13)
 
-        found = run_stage()
-        stage_seconds, extraction_seconds = best_times(run_stage, run_extraction)
+        step = Decontaminate(str(index), action="flag")
+        found = [json.loads(d["metadata"]).get("contamination") for d in run_stage(step)]
+        stage_seconds, extraction_seconds = best_times(lambda: run_stage(step), run_extraction)
+        # The trade-off: every match down to the curve's lowest threshold, then counted at each.
+        low = Decontaminate(str(index), action="flag", min_coverage=CURVE[0])
+        curve_found = [json.loads(d["metadata"]).get("contamination") for d in run_stage(low)]
 
     kinds = ["whole", "embedded", "edited", "short"]
     targets = {"whole": 0.95, "embedded": 0.95, "edited": None, "short": None}
     print(
         f"documents: {len(documents):,} ({args.clean:,} clean, {args.planted:,} planted of each kind: "
         f"{', '.join(kinds)}); evaluation items: qa {len(qa):,}, math {len(math):,}, trivia {len(trivia):,}, "
-        f"filler {len(filler):,} ({repeated} qa candidates left out: the clean prose repeats them)"
+        f"filler {len(filler):,} ({repeated} qa candidates left out: the clean prose holds them, copied "
+        "or edited)"
     )
     outcomes = [(kind, size, match) for (kind, _, size), match in zip(documents, found, strict=True)]
     for kind in kinds:
@@ -359,6 +395,18 @@ def main() -> int:
     )
     for match in false[:5]:
         print(f"  e.g. {json.dumps(match['matches'][0])}")
+    print("trade-off (min_coverage: recall of whole, embedded, edited items; false positives):")
+    for threshold in CURVE:
+        found_at = [
+            (kind, match is not None and any(_counts_at(m, threshold) for m in match["matches"]))
+            for (kind, _, _), match in zip(documents, curve_found, strict=True)
+        ]
+        recalls = []
+        for kind in ("whole", "embedded", "edited"):
+            hits = [hit for k, hit in found_at if k == kind]
+            recalls.append(f"{sum(hits) / len(hits):.3f}")
+        false_count = sum(hit for k, hit in found_at if k == "clean")
+        print(f"  {threshold:.2f}: {' '.join(recalls)}; {false_count}/{args.clean:,}")
     stage_rate = len(documents) / stage_seconds
     extraction_rate = len(documents) / extraction_seconds
     print(

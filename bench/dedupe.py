@@ -2,7 +2,7 @@
 
 One corpus with known truth: distinct documents (sentences of words drawn with the frequencies of the
 standard library's prose, the sample corpus's source), and for a fifth of them 1-3 near copies made with
-the sample corpus's own editor (scripts/make_sample_corpus.py: 1-30% of words replaced, deleted or
+the sample corpus's own editor (tokenmill.samples.text: 1-30% of words replaced, deleted or
 inserted). Ids are shuffled, so the original is not always the smallest id.
 
 1. Precision and recall of duplicate pairs (pairs of documents that the method puts in one group),
@@ -43,13 +43,9 @@ from collections import Counter, defaultdict
 from itertools import combinations
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "src"))
-
-import make_sample_corpus as sample  # noqa: E402
-
-from tokenmill.filters.minhash import MinHasher, jaccard, words  # noqa: E402
+from tokenmill.filters.minhash import MinHasher, jaccard, words
+from tokenmill.formats.stats import STATS, read_stats
+from tokenmill.samples import text as sample
 
 NGRAM, BANDS, ROWS = 5, 14, 8
 EDIT_BUCKETS = ((0.0, 0.05), (0.05, 0.10), (0.10, 0.20), (0.20, 0.31))
@@ -235,7 +231,7 @@ def run_tokenmill(input_dir: Path, output: Path, workers: int, verify: str) -> f
     subprocess.run(
         [sys.executable, "-m", "tokenmill", "curate", "--recipe", str(recipe), "--input",
          str(input_dir / "*.jsonl"), "--output", str(output), "--workers", str(workers)],
-        check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        check=True, capture_output=True,
     )  # fmt: skip
     return time.perf_counter() - started
 
@@ -337,7 +333,7 @@ def main() -> int:
         )
         datatrove_times.append(run_datatrove(root / "input", root / "datatrove-2", args.workers, args.files))
         datatrove_time = min(datatrove_times)
-        stats = json.loads((root / "tokenmill" / "stats.json").read_text())["stages"]["fuzzy_dedupe"]
+        stats = read_stats(str(root / "tokenmill" / STATS)).stages["fuzzy_dedupe"]
         ours = pairs_of(tokenmill_groups(root / "tokenmill"))
         ours_verified = pairs_of(tokenmill_groups(root / "tokenmill-verified"))
         theirs_datatrove = pairs_of(datatrove_groups(root / "datatrove"))

@@ -43,14 +43,11 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+from resiliparse.extract.html2text import extract_plain_text
 
-import make_sample_corpus as sample  # noqa: E402
-from resiliparse.extract.html2text import extract_plain_text  # noqa: E402
-
-from tokenmill.pipelines.readers import InputFields, read_file  # noqa: E402
-from tokenmill.pipelines.warc import EXTRACT_OPTIONS  # noqa: E402
+from tokenmill.pipelines.readers import InputFields, read_file
+from tokenmill.pipelines.warc import EXTRACT_OPTIONS
+from tokenmill.samples import text as sample
 
 NAV_WORDS = [
     "Home",

@@ -18,31 +18,57 @@ rows a step (1M tokens: one host's share of a big batch).
 * warm: every page is in memory; `--warm-seconds` of batches, on the caller's thread alone (the one-core
   target) and as the trainer gets it, for both readers (direct reads do not use the page cache, so
   their warm rate is their cold one).
+* remote: a smaller token directory (`--remote-tokens`, default 48Mi) uploaded to a GCS emulator on
+  loopback (gcp-storage-emulator, the tests' emulator, started here) and read as gs:// shards with
+  ranged requests (`tokenmill.trainer.remote`), `--remote-steps` batches from step 0 (read-ahead starting
+  cold, as a run starts), against the local reader on the same directory and steps: tokens/s, and
+  requests (local: O_DIRECT reads) per batch. Sides: the defaults (256 KiB coalescing gap), no
+  coalescing, the block shuffle, and a local cache large enough for every shard. The emulator serves one
+  request at a time from a single Python thread (about 0.3-0.7 ms each), so its tokens/s say more about
+  the emulator than about GCS; requests per batch, and what a reference host needs (docs/sampler.md,
+  "Shards in object storage"), carry over. Skipped (with a note) when the emulator is not installed.
 
 Numbers depend on the disk and on whatever else runs. Run it niced.
 
 The last line is `loader ratio=X.XX target=0.5 baseline=sequential_memmap_read`: cold sampler tokens/s
-over cold sequential tokens/s. The line before it gives warm tokens/s against the 10M target.
+over cold sequential tokens/s. The line before it gives warm tokens/s against the 10M target. With
+`--sections remote` alone it is `loader_remote ratio=X.XX target=1.0 baseline=reference_host_at_1s_step`:
+remote tokens/s over what one host of the reference run needs at a step a second (128 rows of 4,097).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import mmap
 import os
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from tokenmill.formats.plan import MixturePlan
+
 WARM_TARGET = 10e6
 COLD_TARGET = 0.5
+# The reference run: 11,264 sequences of 4,096 tokens a step over 88 hosts of 8 devices: 128 rows a host.
+REFERENCE_HOST_ROWS = 11_264 // 88
+REMOTE_TARGET = 1.0
+SECTIONS = {"cold", "warm", "remote"}
+# The sampler on the caller's thread alone: no read-ahead, no batches assembled ahead.
+HELPERS_OFF = {"readahead_tokens": 0, "prefetch_batches": 0}
 EOS = 0
 VOCAB = 50_000
 SHARD_TOKENS = 64 << 20  # tokens per shard file (128 MB of uint16)
@@ -71,14 +97,14 @@ def build_tokens(root: Path, total_tokens: int) -> None:
     write_counts(str(root), summaries, info)
 
 
-def make_plan(tokens_dir: Path, sequence_length: int, batch_size: int, block_size: int) -> dict:
+def make_plan(tokens_dir: Path, sequence_length: int, batch_size: int, block_size: int) -> MixturePlan:
     from tokenmill.mixtures import load_counts, load_mixture_text, plan_mixture
 
     counts = load_counts(tokens_dir / "counts.json")
     spec = f"""
 name: bench
 tokenizer: bench-bpe
-total_tokens: {counts["total_tokens"]}
+total_tokens: {counts.total_tokens}
 sequence_length: {sequence_length}
 batch_size: {batch_size}
 block_size: {block_size}
@@ -92,7 +118,7 @@ phases:
     share: 1
     weights: {{web: 0.5, code: 0.3, math: 0.2}}
 """
-    return plan_mixture(load_mixture_text(spec), counts).to_json()
+    return plan_mixture(load_mixture_text(spec), counts)
 
 
 def bin_files(tokens_dir: Path) -> list[Path]:
@@ -131,6 +157,16 @@ def resident_fraction(tokens_dir: Path) -> float:
     return resident / pages
 
 
+def open_source(plan: MixturePlan, tokens: str, prefetch_batches: int | None = None, **options):
+    """The sampler as the trainer gets it: `MixtureSource.from_plan`, wrapped in `PrefetchedBatches`
+    (DEFAULT_PREFETCH_BATCHES, or `prefetch_batches`; 0: none, everything on the caller's thread)."""
+    from tokenmill.trainer.sampler import DEFAULT_PREFETCH_BATCHES, MixtureSource, PrefetchedBatches
+
+    source = MixtureSource.from_plan(plan, "pretraining", tokens, 0, **options)
+    batches = DEFAULT_PREFETCH_BATCHES if prefetch_batches is None else prefetch_batches
+    return PrefetchedBatches(source, batches) if batches else source
+
+
 def sampler_run(source, first_step: int, steps: int) -> tuple[int, float]:
     tokens = 0
     start = time.perf_counter()
@@ -139,12 +175,12 @@ def sampler_run(source, first_step: int, steps: int) -> tuple[int, float]:
     return tokens, time.perf_counter() - start
 
 
-def cold_sampler(tokens_dir: Path, plan: dict, first_step: int, steps: int, **options) -> tuple[int, float]:
+def cold_sampler(
+    tokens_dir: Path, plan: MixturePlan, first_step: int, steps: int, **options
+) -> tuple[int, float]:
     """From an empty page cache and fresh memory maps (opening them is not timed)."""
-    from tokenmill.trainer.sampler import MixtureSource
-
     evict(tokens_dir)
-    source = MixtureSource(plan, "pretraining", str(tokens_dir), 0, **options)
+    source = open_source(plan, str(tokens_dir), **options)
     try:
         return sampler_run(source, first_step, steps)
     finally:
@@ -153,14 +189,16 @@ def cold_sampler(tokens_dir: Path, plan: dict, first_step: int, steps: int, **op
         gc.collect()
 
 
-def cold_random_reads(tokens_dir: Path, plan: dict, first_step: int, steps: int) -> tuple[int, float] | None:
+def cold_random_reads(
+    tokens_dir: Path, plan: MixturePlan, first_step: int, steps: int
+) -> tuple[int, float] | None:
     """The disk's random-read ceiling: the staged reads of the sampler's windows for these steps, all
     handed to one DirectReader at once (no sampling, no copying out), from an empty page cache. None
     where direct reads are unavailable."""
     from tokenmill.trainer.direct_io import DirectIOUnavailable, DirectReader, aligned_buffer
     from tokenmill.trainer.sampler import MixtureSource
 
-    source = MixtureSource(plan, "pretraining", str(tokens_dir), 0, reader="mmap", prefetch_batches=0)
+    source = MixtureSource.from_plan(plan, "pretraining", str(tokens_dir), 0, reader="mmap")
     stream = source._stream
     begins = [source._begin(source.draws(s)) for s in range(first_step, first_step + steps)]
     source.close()
@@ -243,6 +281,235 @@ def warm_sequential(tokens_dir: Path, piece: int) -> tuple[int, float]:
     return best
 
 
+def cold_section(args: argparse.Namespace, tokens_dir: Path, plan: MixturePlan) -> float:
+    """Cold sides, alternating, each from an empty page cache on other steps each time; returns the
+    ratio of the sampler's median tokens/s to the sequential read's."""
+    from tokenmill.trainer.sampler import BlockShuffle, MixtureSource
+
+    batch_tokens = args.batch_size * (args.seq_len + 1)
+    cold_steps = max(1, args.cold_tokens // batch_tokens)
+    sides = {
+        "sampler": {},
+        "sampler_one_thread": HELPERS_OFF,
+        "sampler_mmap": {"reader": "mmap"},
+        "sampler_block_shuffle": {"block_shuffle": BlockShuffle()},
+    }
+    runs: dict[str, list[float]] = {name: [] for name in [*sides, "sequential", "random_read_ceiling"]}
+    reader = MixtureSource.from_plan(plan, "pretraining", str(tokens_dir), 0).reader
+    for repeat in range(args.repeats):
+        for n, (name, options) in enumerate(sides.items()):
+            first = (n * args.repeats + repeat) * cold_steps
+            tokens, seconds = cold_sampler(tokens_dir, plan, first, cold_steps, **options)
+            runs[name].append(tokens / seconds)
+            if repeat == 0 and n == 0:
+                evict(tokens_dir)
+                print(f"after eviction {resident_fraction(tokens_dir):.1%} of the shard pages are in memory")
+        done, seconds = cold_sequential(tokens_dir, tokens, batch_tokens, first=repeat * tokens)
+        runs["sequential"].append(done / seconds)
+        ceiling = cold_random_reads(
+            tokens_dir, plan, (len(sides) * args.repeats + repeat) * cold_steps, cold_steps
+        )
+        if ceiling is not None:
+            runs["random_read_ceiling"].append(ceiling[0] / ceiling[1])
+    runs = {name: values for name, values in runs.items() if values}
+    median = {name: statistics.median(values) for name, values in runs.items()}
+    print(f"cold, {cold_steps * batch_tokens / 1e6:.1f}M tokens a run, median of {args.repeats} (runs):")
+    for name, values in runs.items():
+        each = ", ".join(f"{x / 1e6:.1f}M" for x in values)
+        print(f"  {name:22s} {median[name] / 1e6:8.1f}M tokens/s  ({each})")
+    print(f"  (sampler: {reader} reads; the ceiling: the same reads, all queued at once, no sampling)")
+    if "random_read_ceiling" in median:
+        ceiling = median["random_read_ceiling"]
+        print(
+            f"cold sampler at {median['sampler'] / ceiling:.2f} of the disk's random-read ceiling, "
+            f"which is {ceiling / median['sequential']:.2f} of the sequential read"
+        )
+    return median["sampler"] / median["sequential"]
+
+
+def warm_section(args: argparse.Namespace, tokens_dir: Path, plan: MixturePlan) -> None:
+    """Everything in memory. The target is for one core: no helper threads."""
+    from tokenmill.trainer.sampler import MixtureSource
+
+    batch_tokens = args.batch_size * (args.seq_len + 1)
+    reader = MixtureSource.from_plan(plan, "pretraining", str(tokens_dir), 0).reader
+    tokens, seconds = warm_sequential(tokens_dir, batch_tokens)
+    sequential_warm = tokens / seconds
+    warm = {}
+    warm_sides = {
+        "sampler_one_thread": HELPERS_OFF,
+        "sampler": {},
+        "sampler_mmap_one_thread": {"reader": "mmap", **HELPERS_OFF},
+        "sampler_mmap": {"reader": "mmap"},
+    }
+    for name, options in warm_sides.items():
+        source = open_source(plan, str(tokens_dir), **options)
+        sampler_run(source, 0, 3)
+        steps, tokens, seconds = 0, 0, 0.0
+        while seconds < args.warm_seconds:
+            more, took = sampler_run(source, 3 + steps, 10)
+            steps, tokens, seconds = steps + 10, tokens + more, seconds + took
+        source.close()
+        warm[name] = tokens / seconds
+        print(
+            f"warm: {name:24s} {warm[name] / 1e6:8.1f}M tokens/s ({steps} batches of {batch_tokens:,} "
+            f"tokens, {seconds / steps * 1e3:.2f} ms a batch)"
+        )
+    print(f"warm: {'sequential':24s} {sequential_warm / 1e6:8.1f}M tokens/s")
+    one_core = warm["sampler_one_thread"]
+    print(
+        f"warm sampler {one_core / 1e6:.1f}M tokens/s on one core (no helper threads, {reader} reads): "
+        f"{'meets' if one_core >= WARM_TARGET else 'MISSES'} the {WARM_TARGET / 1e6:.0f}M target"
+    )
+
+
+# --- remote: gs:// shards on a GCS emulator on loopback ---------------------------------------------------
+
+# The emulator serves one request at a time; a deep listen backlog lets concurrent requests queue instead
+# of waiting out TCP's SYN retransmit (as tests/gcs_emulator.py starts it).
+EMULATOR = (
+    "import socketserver, sys; socketserver.TCPServer.request_queue_size = 1024; "
+    "from gcp_storage_emulator.__main__ import main; main(sys.argv[1:])"
+)
+BUCKET = "tokenmill-bench"
+
+
+@contextlib.contextmanager
+def gcs_emulator() -> Iterator[str]:
+    """Start gcp-storage-emulator on a free loopback port (in memory, one bucket) and point this
+    process's gcsfs at it; yields the bucket's gs:// URL. Must run before gcsfs is imported (gcsfs reads
+    GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT then; the emulator speaks only the JSON API)."""
+    import fsspec.config
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-c", EMULATOR, "start", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--in-memory", "--default-bucket", BUCKET, "--quiet"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{BUCKET}", timeout=1):
+                    break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the GCS emulator did not start on {endpoint}") from None
+                time.sleep(0.1)
+        os.environ.update(
+            {
+                "STORAGE_EMULATOR_HOST": endpoint,
+                "FSSPEC_GS_TOKEN": "anon",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            }
+        )
+        fsspec.config.conf["gs"] = {**fsspec.config.conf.get("gs", {}), "token": "anon"}
+        yield f"gs://{BUCKET}"
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def local_reads_per_batch(plan: MixturePlan, tokens_dir: Path, steps: int) -> float:
+    """The O_DIRECT reads a batch of the local direct reader takes (4 KiB-aligned, touching ones merged)."""
+    from tokenmill.trainer.sampler import MixtureSource
+
+    source = MixtureSource.from_plan(
+        plan, "pretraining", str(tokens_dir), 0, reader="mmap", readahead_tokens=0
+    )
+    reads = [
+        len(source._stream.staged_reads(source._begin(source.draws(s)), 4096).offsets) for s in range(steps)
+    ]
+    return sum(reads) / steps
+
+
+def remote_section(args: argparse.Namespace) -> float | None:
+    """Remote sides against the local reader on the same (smaller) token directory and steps; returns
+    the remote default's tokens/s over a reference host's need at a step a second, None when skipped."""
+    try:
+        import gcp_storage_emulator  # noqa: F401
+    except ImportError:
+        print("remote: skipped (gcp-storage-emulator is not installed: pip install -e '.[dev]')")
+        return None
+    from tokenmill.trainer.remote import RemoteOptions
+    from tokenmill.trainer.sampler import BlockShuffle
+
+    scratch = Path(tempfile.mkdtemp(prefix="tokenmill-bench-remote-"))
+    try:
+        tokens_dir = scratch / "tokens"
+        build_tokens(tokens_dir, args.remote_tokens)
+        plan = make_plan(tokens_dir, args.seq_len, args.batch_size, args.block_size)
+        steps = args.remote_steps
+        batch_tokens = args.batch_size * (args.seq_len + 1)
+        with gcs_emulator() as bucket:
+            import fsspec
+
+            t0 = time.perf_counter()
+            fs = fsspec.filesystem("gs")
+            files = sorted(p for p in tokens_dir.rglob("*") if p.is_file())
+            for path in files:
+                fs.put_file(str(path), f"{bucket}/tokens/{path.relative_to(tokens_dir).as_posix()}")
+            url = f"{bucket}/tokens"
+            size = sum(p.stat().st_size for p in files)
+            print(
+                f"remote: {args.remote_tokens:,} tokens ({size / 1e6:.0f} MB, "
+                f"{len(bin_files(tokens_dir))} shards) uploaded to the GCS emulator on loopback in "
+                f"{time.perf_counter() - t0:.1f}s; "
+                f"{steps} batches of {args.batch_size} x {args.seq_len + 1} from step 0"
+            )
+            local = open_source(plan, str(tokens_dir))
+            tokens, seconds = sampler_run(local, 0, steps)
+            reader = local.source.reader
+            local.close()
+            rates = {f"local ({reader} reads)": tokens / seconds}
+            per_batch = {f"local ({reader} reads)": (local_reads_per_batch(plan, tokens_dir, steps), 0.0)}
+            cache = str(scratch / "cache")
+            sides = {
+                "remote": {},
+                "remote, no coalescing": {"remote": RemoteOptions(coalesce_gap_bytes=0)},
+                "remote, block shuffle": {"block_shuffle": BlockShuffle()},
+                "remote, cache on": {"remote": RemoteOptions(cache_bytes=2 * size, cache_dir=cache)},
+            }
+            for name, options in sides.items():
+                t0 = time.perf_counter()
+                source = open_source(plan, url, **options)
+                opened = time.perf_counter() - t0
+                tokens, seconds = sampler_run(source, 0, steps)
+                stats = source.source.reads.stats
+                source.close()
+                rates[name] = tokens / seconds
+                per_batch[name] = (stats.requests / stats.batches, stats.request_bytes / stats.batches)
+                extra = (
+                    f", {stats.downloads} shards cached, {stats.cached_reads} cached reads"
+                    if stats.downloads
+                    else ""
+                )
+                print(
+                    f"  {name:24s} checks before training {opened:.2f}s; {stats.batches} batches requested "
+                    f"(read-ahead included), {stats.retries} retries{extra}"
+                )
+        local_rate = rates[f"local ({reader} reads)"]
+        for name, rate in rates.items():
+            requests, request_bytes = per_batch[name]
+            moved = f", {request_bytes / 1e6:.2f} MB requested" if request_bytes else ""
+            print(
+                f"  {name:24s} {rate / 1e6:8.2f}M tokens/s ({rate / local_rate:.3f} of local)  "
+                f"{requests:7.1f} requests a batch of {args.batch_size} windows{moved}"
+            )
+        need = REFERENCE_HOST_ROWS * (args.seq_len + 1)
+        print(
+            f"remote: a reference-run host reads {REFERENCE_HOST_ROWS} windows a step "
+            f"({need / 1e3:.0f}K tokens): at a step a second {REFERENCE_HOST_ROWS} requests/s; the "
+            "emulator's remote reader gives "
+            f"{rates['remote'] / need:.1f}x that (batch of {batch_tokens:,} tokens here)"
+        )
+        return rates["remote"] / need
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -261,107 +528,60 @@ def main() -> int:
     )
     parser.add_argument("--repeats", type=int, default=5, help="cold runs per side (default 5)")
     parser.add_argument("--warm-seconds", type=float, default=3.0)
+    parser.add_argument(
+        "--sections",
+        default="cold,warm,remote",
+        help="which parts to run, comma-separated (default: cold,warm,remote)",
+    )
+    parser.add_argument(
+        "--remote-tokens",
+        type=int,
+        default=48 << 20,
+        help="tokens of the remote part's directory (default 48Mi)",
+    )
+    parser.add_argument("--remote-steps", type=int, default=24, help="batches per remote side (default 24)")
     args = parser.parse_args()
 
-    from tokenmill.trainer.sampler import BlockShuffle, MixtureSource
+    sections = set(args.sections.split(","))
+    if sections - SECTIONS or not sections:
+        parser.error(f"--sections: expected some of {','.join(sorted(SECTIONS))}")
+    from tokenmill.trainer.sampler import MixtureSource
 
-    scratch = None
-    if args.tokens_dir:
-        tokens_dir = Path(args.tokens_dir)
-    else:
-        scratch = tempfile.mkdtemp(prefix="tokenmill-bench-loader-")
-        tokens_dir = Path(scratch)
-    try:
-        if not (tokens_dir / "counts.json").exists():
-            t0 = time.perf_counter()
-            build_tokens(tokens_dir, args.total_tokens)
-            print(f"built {args.total_tokens:,} tokens in {tokens_dir} ({time.perf_counter() - t0:.1f}s)")
-        plan = make_plan(tokens_dir, args.seq_len, args.batch_size, args.block_size)
-        source = MixtureSource(plan, "pretraining", str(tokens_dir), seed=0)
-        total = sum(src.stream.num_tokens for src in source.sources)
-        print(source)
-        windows = ", ".join(f"{s.name} {s.num_windows:,}" for s in source.sources)
-        print(f"{total:,} tokens in {len(bin_files(tokens_dir))} shards; windows: {windows}")
-        del source
-        row_tokens = args.seq_len + 1
-        batch_tokens = args.batch_size * row_tokens
-        cold_steps = max(1, args.cold_tokens // batch_tokens)
-
-        # Cold: alternate the sides, each from an empty page cache, on other steps each time.
-        helpers_off = {"readahead_tokens": 0, "prefetch_batches": 0}
-        sides = {
-            "sampler": {},
-            "sampler_one_thread": helpers_off,
-            "sampler_mmap": {"reader": "mmap"},
-            "sampler_block_shuffle": {"block_shuffle": BlockShuffle()},
-        }
-        runs: dict[str, list[float]] = {name: [] for name in [*sides, "sequential", "random_read_ceiling"]}
-        reader = MixtureSource(plan, "pretraining", str(tokens_dir), seed=0).reader
-        for repeat in range(args.repeats):
-            for n, (name, options) in enumerate(sides.items()):
-                first = (n * args.repeats + repeat) * cold_steps
-                tokens, seconds = cold_sampler(tokens_dir, plan, first, cold_steps, **options)
-                runs[name].append(tokens / seconds)
-                if repeat == 0 and n == 0:
-                    evict(tokens_dir)
-                    print(
-                        f"after eviction {resident_fraction(tokens_dir):.1%} of the shard pages are in memory"
-                    )
-            done, seconds = cold_sequential(tokens_dir, tokens, batch_tokens, first=repeat * tokens)
-            runs["sequential"].append(done / seconds)
-            ceiling = cold_random_reads(
-                tokens_dir, plan, (len(sides) * args.repeats + repeat) * cold_steps, cold_steps
-            )
-            if ceiling is not None:
-                runs["random_read_ceiling"].append(ceiling[0] / ceiling[1])
-        runs = {name: values for name, values in runs.items() if values}
-        median = {name: statistics.median(values) for name, values in runs.items()}
-        print(f"cold, {cold_steps * batch_tokens / 1e6:.1f}M tokens a run, median of {args.repeats} (runs):")
-        for name, values in runs.items():
-            each = ", ".join(f"{x / 1e6:.1f}M" for x in values)
-            print(f"  {name:22s} {median[name] / 1e6:8.1f}M tokens/s  ({each})")
-        print(f"  (sampler: {reader} reads; the ceiling: the same reads, all queued at once, no sampling)")
-        if "random_read_ceiling" in median:
-            ceiling = median["random_read_ceiling"]
-            print(
-                f"cold sampler at {median['sampler'] / ceiling:.2f} of the disk's random-read ceiling, "
-                f"which is {ceiling / median['sequential']:.2f} of the sequential read"
-            )
-
-        # Warm: everything in memory. The target is for one core: no helper threads.
-        tokens, seconds = warm_sequential(tokens_dir, batch_tokens)
-        sequential_warm = tokens / seconds
-        warm = {}
-        warm_sides = {
-            "sampler_one_thread": helpers_off,
-            "sampler": {},
-            "sampler_mmap_one_thread": {"reader": "mmap", **helpers_off},
-            "sampler_mmap": {"reader": "mmap"},
-        }
-        for name, options in warm_sides.items():
-            source = MixtureSource(plan, "pretraining", str(tokens_dir), seed=0, **options)
-            sampler_run(source, 0, 3)
-            steps, tokens, seconds = 0, 0, 0.0
-            while seconds < args.warm_seconds:
-                more, took = sampler_run(source, 3 + steps, 10)
-                steps, tokens, seconds = steps + 10, tokens + more, seconds + took
-            source.close()
-            warm[name] = tokens / seconds
-            print(
-                f"warm: {name:24s} {warm[name] / 1e6:8.1f}M tokens/s ({steps} batches of {batch_tokens:,} "
-                f"tokens, {seconds / steps * 1e3:.2f} ms a batch)"
-            )
-        print(f"warm: {'sequential':24s} {sequential_warm / 1e6:8.1f}M tokens/s")
-        one_core = warm["sampler_one_thread"]
+    cold_ratio = None
+    if sections & {"cold", "warm"}:
+        scratch = None
+        if args.tokens_dir:
+            tokens_dir = Path(args.tokens_dir)
+        else:
+            scratch = tempfile.mkdtemp(prefix="tokenmill-bench-loader-")
+            tokens_dir = Path(scratch)
+        try:
+            if not (tokens_dir / "counts.json").exists():
+                t0 = time.perf_counter()
+                build_tokens(tokens_dir, args.total_tokens)
+                print(f"built {args.total_tokens:,} tokens in {tokens_dir} ({time.perf_counter() - t0:.1f}s)")
+            plan = make_plan(tokens_dir, args.seq_len, args.batch_size, args.block_size)
+            source = MixtureSource.from_plan(plan, "pretraining", str(tokens_dir), 0)
+            total = sum(src.stream.num_tokens for src in source.sources)
+            print(source)
+            windows = ", ".join(f"{s.name} {s.num_windows:,}" for s in source.sources)
+            print(f"{total:,} tokens in {len(bin_files(tokens_dir))} shards; windows: {windows}")
+            del source
+            if "cold" in sections:
+                cold_ratio = cold_section(args, tokens_dir, plan)
+            if "warm" in sections:
+                warm_section(args, tokens_dir, plan)
+        finally:
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
+    remote_ratio = remote_section(args) if "remote" in sections else None
+    if cold_ratio is not None:
+        print(f"loader ratio={cold_ratio:.2f} target={COLD_TARGET} baseline=sequential_memmap_read")
+    elif remote_ratio is not None:
         print(
-            f"warm sampler {one_core / 1e6:.1f}M tokens/s on one core (no helper threads, {reader} reads): "
-            f"{'meets' if one_core >= WARM_TARGET else 'MISSES'} the {WARM_TARGET / 1e6:.0f}M target"
+            f"loader_remote ratio={remote_ratio:.2f} target={REMOTE_TARGET} "
+            "baseline=reference_host_at_1s_step"
         )
-        ratio = median["sampler"] / median["sequential"]
-        print(f"loader ratio={ratio:.2f} target={COLD_TARGET} baseline=sequential_memmap_read")
-    finally:
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark: `tokenmill report` at the size budget of docs/reports.md (200 cells, 10,000 samples).
 
-Writes report inputs with tests/report_fixtures.py (40 domains x 5 quality buckets, about 100 documents
+Writes report inputs with tokenmill.samples.report_inputs (40 domains x 5 quality buckets, about 100 documents
 per cell, 50 samples per cell), then measures
 
   1. the baseline: reading the inputs alone, what any page built from them has to do: every curated cell's
@@ -20,21 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "src"))
-
-from report_fixtures import headless_chromium, make_report_inputs, missing_browser  # noqa: E402 - tests/ is on the path only now
-
-from tokenmill.reports.overview import OverviewOptions  # noqa: E402
-from tokenmill.reports.site import build_site  # noqa: E402
+from tokenmill.formats.plan import read_plan
+from tokenmill.reports.browser import headless_chromium, missing_browser
+from tokenmill.reports.overview import OverviewOptions
+from tokenmill.reports.site import build_site
+from tokenmill.samples.report_inputs import make_report_inputs
 
 TARGET = 0.33  # the report may cost at most 3x reading its inputs: baseline / build >= 1/3
 INDEX_BUDGET = 12_000_000  # bytes of index.html at 200 cells and 10,000 samples of 400 characters
@@ -129,7 +125,7 @@ def main() -> None:
             steps=20_000,
         )
         print(f"inputs: {len(inputs.cells)} cells written in {time.perf_counter() - start:.1f} s")
-        plan = json.loads(inputs.plan.read_text())
+        plan = read_plan(str(inputs.plan))
         baseline, _ = best_of(2, lambda: read_inputs(work / "in"))
         print(f"baseline: reading the inputs takes {baseline:.2f} s (best of 2)")
 
@@ -140,7 +136,7 @@ def main() -> None:
                 curated=str(inputs.curate),
                 tokens=str(inputs.tokens),
                 plan=plan,
-                previous_plan=json.loads(inputs.previous_plan.read_text()),
+                previous_plan=read_plan(str(inputs.previous_plan)),
                 run=str(inputs.run),
                 output=str(output),
                 options=OverviewOptions(samples_per_cell=args.samples_per_cell),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import resource
 import shutil
@@ -82,7 +81,7 @@ def write_corpus(root: Path, files: int, documents_per_file: int, code: list[str
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tokenmill.documents import DOCUMENT_SCHEMA
+    from tokenmill.formats.documents import DOCUMENT_SCHEMA
 
     cells = ["domain=code/quality=3", "domain=web/quality=2"]
     for n in range(files):
@@ -184,6 +183,8 @@ def baseline(tokenizer_path: Path, curated: Path, batch: int = 512) -> dict[str,
 
 
 def main() -> None:
+    from tokenmill.formats.tokens import COUNTS, read_counts
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -248,12 +249,12 @@ def main() -> None:
                 "0",
             ]
             seconds, cpu, peak, _ = run_measured(command)
-            counts = json.loads((tokens_dir / "counts.json").read_text())
+            counts = read_counts(str(tokens_dir / COUNTS))
             parquet = sum(p.stat().st_size for p in (work / f"curated-{label}").rglob("*.parquet"))
-            tokens = counts["total_tokens"]
+            tokens = counts.total_tokens or 0
             results[label] = (seconds, cpu, peak, tokens)
             print(
-                f"tokenize {label}: {sizes[label]} files, {counts['total_documents']:,} documents, "
+                f"tokenize {label}: {sizes[label]} files, {counts.total_documents or 0:,} documents, "
                 f"{tokens:,} tokens ({parquet / 1e6:.0f} MB Parquet): {seconds:.1f} s wall, {cpu:.1f} s CPU, "
                 f"{tokens / seconds:,.0f} tokens/s; peak memory of the process tree {peak / 2**20:,.0f} MiB"
             )

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from tokenmill.trainer.config import ModelConfig, MoEConfig
 from tokenmill.trainer.data import SyntheticSource
 from tokenmill.trainer.flops import count_params, flops_per_token
+from tokenmill.trainer.run_config import RunConfig, resolve_run_config
 from tokenmill.trainer.sharding import batch_sharding, make_mesh
-from tokenmill.trainer.train import Phase, TrainConfig, compile_train_step, make_schedule
+from tokenmill.trainer.train import Phase, compile_train_step, make_schedule
 
 
 def bench_model(dispatch: str, vocab: int) -> ModelConfig:
@@ -68,13 +69,16 @@ def time_train_step(cfg: ModelConfig, batch: int, seq: int, steps: int, dtype: s
     all tokens pick the same experts until the model learns context), which would make the drop fraction
     a measurement of that transient rather than of the dispatch.
     """
-    tcfg = TrainConfig(output="unused", batch_size=batch, seq_len=seq, compute_dtype=dtype, lr=0.0)
+    phases = [Phase("bench", 0, 1000)]
+    data = {"phase": "bench", "batch_size": batch, "seq_len": seq}
+    run = RunConfig(model=cfg, compute_dtype=dtype, data=data, optimizer={"kind": "adamw", "lr": 0.0})
+    run = resolve_run_config(run, phases)
     mesh = make_mesh((1, 1, 1))
-    schedule = make_schedule(tcfg, [Phase("bench", 0, 1000)])
+    schedule = make_schedule(run, phases)
     source = SyntheticSource(cfg.vocab_size, seq, batch, seed=0)
     sharding = batch_sharding(mesh)
     with jax.set_mesh(mesh):
-        init_fn, step_fn, _ = compile_train_step(cfg, tcfg, schedule, mesh)
+        init_fn, step_fn, _ = compile_train_step(run, schedule, mesh)
         state = init_fn(jax.random.key(0))
         batches = []
         for i in range(steps + 2):

@@ -13,7 +13,7 @@ OUT=${OUT:-out/demo}
 RUN=${RUN:-runs/demo}
 LADDER=${LADDER:-runs/demo-ladder}
 MIXTURE=mixtures/demo.yaml
-MODEL=configs/models/tiny.yaml
+RUN_CONFIG=configs/runs/demo.yaml
 LADDER_SPEC=configs/ladders/demo.yaml
 STEPS_TOTAL=12
 started=$(date +%s)
@@ -33,26 +33,27 @@ banner "train the fastText domain and quality classifiers"
   --output "$OUT/models/quality" --calibration "$OUT/classifier-data/calibration.jsonl"
 
 banner "curate data/sample/* into domain x quality cells (Beam, local runner)"
-"$TOKENMILL" curate --recipe configs/curate/mixed.yaml --input 'data/sample/*' --output "$OUT/curate"
+# --overwrite: a second demo run replaces the first one's output (an earlier run is refused without it).
+"$TOKENMILL" curate --recipe configs/curate/mixed.yaml --input 'data/sample/*' --output "$OUT/curate" --overwrite
 
 banner "train a byte-level BPE tokenizer on the curated text"
 "$TOKENMILL" tokenizer train --input "$OUT/curate/curated" --vocab-size 4096 --name tokenmill-bpe-4k \
   --output "$OUT/tokenizer.json"
 
 banner "tokenize the cells into token shards and counts.json"
-"$TOKENMILL" tokenize --input "$OUT/curate/curated" --output "$OUT/tokens" --tokenizer "$OUT/tokenizer.json"
+"$TOKENMILL" tokenize --input "$OUT/curate/curated" --output "$OUT/tokens" --tokenizer "$OUT/tokenizer.json" \
+  --overwrite
 
 banner "plan the demo mixture against the token catalog"
 "$TOKENMILL" mixture plan "$MIXTURE" --counts "$OUT/tokens/counts.json"
 
 banner "train the tiny MoE: pretraining"
+# configs/runs/demo.yaml holds the run (model, mixture, optimizer, ...); flags override its fields.
 rm -rf "$RUN"
-"$TOKENMILL" train --mixture "$MIXTURE" --tokens "$OUT/tokens" \
-  --phase pretraining --model "$MODEL" --output "$RUN"
+"$TOKENMILL" train --config "$RUN_CONFIG" --tokens "$OUT/tokens" --phase pretraining --output "$RUN"
 
 banner "train the tiny MoE: midtraining, from the last pretraining checkpoint"
-"$TOKENMILL" train --mixture "$MIXTURE" --tokens "$OUT/tokens" \
-  --phase midtraining --model "$MODEL" --output "$RUN"
+"$TOKENMILL" train --config "$RUN_CONFIG" --tokens "$OUT/tokens" --phase midtraining --output "$RUN"
 
 banner "plan the miniature scaling ladder: rungs, tokens per active parameter, mixture slices"
 rm -rf "$LADDER"

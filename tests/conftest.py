@@ -22,6 +22,16 @@ def repo() -> Path:
     return REPO
 
 
+@pytest.fixture(scope="session")
+def gcs():
+    """A GCS emulator on loopback (tests/gcs_emulator.py), one for the whole session, with this process's
+    gcsfs pointed at it; tests keep apart by their object prefixes."""
+    from gcs_emulator import emulator_environment, running_emulator
+
+    with running_emulator() as emulator, emulator_environment(emulator):
+        yield emulator
+
+
 def run_tokenmill(
     *args: str, check: bool = True, env: dict | None = None, timeout: float = 600, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -11,11 +12,12 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SAMPLE, run_tokenmill
 
-from tokenmill.documents import curated_dataset
 from tokenmill.filters.base import DomainChains
 from tokenmill.filters.classifiers import ClassifierError, DomainClassifier, QualityClassifier
 from tokenmill.filters.code import CodeQuality
 from tokenmill.filters.heuristics import HeuristicFilter
+from tokenmill.formats.cards import CALIBRATION, CARD, read_calibration, read_card
+from tokenmill.formats.documents import curated_dataset
 from tokenmill.pipelines.recipe import RecipeError, load_recipe
 
 
@@ -23,10 +25,12 @@ from tokenmill.pipelines.recipe import RecipeError, load_recipe
 def models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("classifiers")
     data = root / "data"
+    # A fresh process, as the demo runs it: the generated text depends on the modules already loaded.
     subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "make_classifier_data.py"),
+            "-m",
+            "tokenmill.samples.classifier_data",
             "--output",
             str(data),
             "--per-domain",
@@ -71,6 +75,38 @@ def test_training_writes_a_card_with_held_out_metrics(models):
     quality = json.loads((models / "quality" / "model.json").read_text())
     assert quality["positive_label"] == "hq" and quality["holdout_metrics"]["accuracy"] > 0.9
     assert (models / "quality" / "calibration.json").exists()
+
+
+def test_cards_and_calibration_read_back_through_the_format(models):
+    domain = read_card(str(models / "domain" / CARD))
+    assert domain.kind == "domain" and domain.calibration is None
+    assert "calibration" not in json.loads((models / "domain" / CARD).read_text())  # no null field either
+    quality = read_card(str(models / "quality" / CARD))
+    calibration = read_calibration(str(models / "quality" / CALIBRATION))
+    assert quality.calibration is not None and quality.calibration.domains == sorted(calibration.cuts)
+    assert calibration.positive_label == quality.positive_label == "hq"
+    assert sum(calibration.documents.values()) == quality.calibration.documents
+
+
+def test_a_broken_calibration_is_refused_naming_the_file_and_field(models, tmp_path):
+    good = json.loads((models / "quality" / CALIBRATION).read_text())
+    broken = {
+        "no-star": {**good, "cuts": {k: v for k, v in good["cuts"].items() if k != "*"}},
+        "short": {**good, "cuts": {**good["cuts"], "code": good["cuts"]["*"][:2]}},
+        "three-buckets": {**good, "quantiles": [0.5, 0.9], "cuts": {"*": [0.1, 0.2]}},
+        "not-numbers": {**good, "cuts": {**good["cuts"], "*": ["low", "mid", "high", "top"]}},
+    }
+    expected = {
+        "no-star": r"cuts: no '\*' entry",
+        "short": r"4 cuts per domain expected .*code",
+        "three-buckets": r"2 quantiles, but the quality buckets 0..4 need 4 cuts",
+        "not-numbers": r"cuts\.\*\[0\]",
+    }
+    for name, document in broken.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(document))
+        with pytest.raises(ClassifierError, match=f"{re.escape(str(path))}: .*{expected[name]}"):
+            QualityClassifier(str(models / "quality"), calibration=str(path))
 
 
 def test_training_is_deterministic(models, tmp_path):

@@ -20,10 +20,13 @@ from conftest import REPO, SAMPLE, WEB_RECIPE, rejected_rows, run_tokenmill, tre
 from tokenmill.cli import main
 
 
-def curate(output: Path, *inputs: str, recipe: Path = WEB_RECIPE, workers: int = 1) -> dict:
+def curate(
+    output: Path, *inputs: str, recipe: Path = WEB_RECIPE, workers: int = 1, overwrite: bool = False
+) -> dict:
     status = main(
         [
             "curate",
+            *(["--overwrite"] if overwrite else []),
             "--recipe",
             str(recipe),
             "--output",
@@ -154,12 +157,20 @@ def test_exact_duplicates_keep_the_smallest_id_across_files(sample_run):
     )
 
 
-def test_rerun_gives_identical_bytes_whatever_the_worker_count(sample_run, tmp_path):
+def test_rerun_gives_identical_bytes_whatever_the_worker_count(sample_run, tmp_path, capsys):
     output, _ = sample_run
     again = tmp_path / "again"
     curate(again, str(SAMPLE / "*"), workers=1)
     assert tree_bytes(again) == tree_bytes(output)
-    curate(again, str(SAMPLE / "*"), workers=1)  # into the same folder, over its own output
+    # Into the same folder, over its own output: refused, then replaced with --overwrite.
+    capsys.readouterr()
+    argv = ["curate", "--recipe", str(WEB_RECIPE), "--input", str(SAMPLE / "*"), "--output", str(again)]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "holds an earlier curate run (curated, removed, rejected, stats.json)" in error
+    assert "pass --overwrite" in error
+    assert tree_bytes(again) == tree_bytes(output)  # refused before touching anything
+    curate(again, str(SAMPLE / "*"), workers=1, overwrite=True)
     assert tree_bytes(again) == tree_bytes(output)
 
 
@@ -282,5 +293,22 @@ def test_a_killed_run_rerun_ends_like_a_clean_run(sample_run, tmp_path):
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert not (output / "stats.json").exists() or tree_bytes(output) == tree_bytes(clean)
-    run_tokenmill(*command[3:])
+    run_tokenmill(*command[3:], "--overwrite")
     assert tree_bytes(output) == tree_bytes(clean)
+
+
+def test_removed_documents_can_be_recorded_without_their_text(tmp_path):
+    inputs = tmp_path / "inputs"
+    write_bad_inputs(inputs)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("name: plain\nremoved_text: false\nstages:\n  - exact_dedupe: {}\n")
+    stats = curate(tmp_path / "out", str(inputs / "*"), recipe=recipe)
+    assert stats["balanced"] is True
+    rows = parquet_rows(tmp_path / "out" / "removed")
+    assert len(rows) == stats["removed"]["documents"] > 0
+    assert all(row["text"] is None for row in rows)
+    huge = pq.read_table(tmp_path / "out" / "removed" / "stage=normalize" / "reason=too_long").to_pylist()
+    # The size and the why stay: the 50 MB document is named with its length and its reason's detail.
+    assert huge[0]["id"] == "huge.jsonl:huge" and huge[0]["n_chars"] == 50_000_000 and huge[0]["detail"]
+    # The curated side is untouched.
+    assert all(row["text"] for row in parquet_rows(tmp_path / "out" / "curated"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from tokenmill.filters.decontam import (
     DecontamIndex,
     FieldSpec,
     build_index,
+    eval_set_sources,
     extract_ngrams,
     hash_words,
     normalize_for_matching,
@@ -185,7 +187,7 @@ def test_planted_cases_are_found_and_clean_documents_pass(step):
     middle = long_paragraph.index(". ", middle) + 2
     q, a = SCIENCE[0]
     # Upper case, other punctuation, one word changed.
-    edited_q = SCIENCE[4][0].upper().replace("spoon", "ladle", 1).replace("?", " ...")
+    edited_q = SCIENCE[4][0].replace("spoon", "ladle", 1).upper().replace("?", " ...")
     planted = {
         "whole": f"{page}\n\n{q} {a}\n\n{clean[5]}",
         "embedded": f"{page}\n\n{long_paragraph[:middle]}{SCIENCE[2][0]} {SCIENCE[2][1]}. "
@@ -203,26 +205,42 @@ def test_planted_cases_are_found_and_clean_documents_pass(step):
         assert contamination is not None, kind
     by_kind = dict(zip(planted, found, strict=True))
     assert by_kind["whole"]["eval_sets"] == ["science"]
+    words = len(normalize_for_matching(f"{q} {a}").split())
     assert by_kind["whole"]["matches"][0] == {
         "eval_set": "science",
+        "file": str(step.index_path.rsplit("/", 1)[0] + "/science.jsonl"),
         "line": 1,
-        "match": "ngrams",
-        "ngrams": 12,
-        "overlap": 1.0,
+        "match": "verbatim",
+        "coverage": 1.0,
+        "words": words,
+        "of": words,
         "paragraph": page_paragraphs,
     }
     assert by_kind["embedded"]["matches"][0]["line"] == 3
-    # The same item twice in one paragraph: its n-grams are counted once.
-    (twice,) = judge(step, [f"{q} {a} {q} {a}"])
-    assert twice["matches"][0]["ngrams"] == 12 and twice["overlap"] == 1.0
     assert by_kind["embedded"]["matches"][0]["paragraph"] == page_paragraphs
-    assert 0.2 <= by_kind["edited"]["overlap"] < 1.0
+    # The same item twice in one paragraph: its words are counted once.
+    (twice,) = judge(step, [f"{q} {a} {q} {a}"])
+    assert twice["matches"][0]["words"] == words and twice["coverage"] == 1.0
+    edited = by_kind["edited"]["matches"][0]
+    assert edited["match"] == "edited" and edited["line"] == 5 and 0.7 <= edited["coverage"] < 1.0
     assert by_kind["short"]["matches"] == [
-        {"eval_set": "trivia", "line": 2, "match": "whole", "ngrams": 0, "overlap": 1.0, "paragraph": 0}
+        {
+            "eval_set": "trivia",
+            "file": str(step.index_path.rsplit("/", 1)[0] + "/trivia.jsonl"),
+            "line": 2,
+            "match": "verbatim",
+            "coverage": 1.0,
+            "words": 9,
+            "of": 9,
+            "paragraph": 0,
+        }
     ]
     assert by_kind["math"]["eval_sets"] == ["math"] and by_kind["math"]["matches"][0]["line"] == 1
-    assert by_kind["split"]["matches"][0]["paragraph"] is None  # found at the document level
-    # Clean prose, the bare template shared by every math item, and fragments of items all pass.
+    # An item laid out over five paragraphs is still one run of words; it starts in the first. Its
+    # answer was left out, so it is not all there.
+    split = by_kind["split"]["matches"][0]
+    assert split["paragraph"] == 0 and split["match"] == "edited" and split["coverage"] >= 0.7
+    # Clean prose, the bare template shared by every math item, another question, and half an item pass.
     negatives = [
         *clean,
         TEMPLATE + " " + clean[8],
@@ -234,7 +252,12 @@ def test_planted_cases_are_found_and_clean_documents_pass(step):
     assert stats == {
         "documents": len(planted) + 1 + len(negatives),
         "contaminated": len(planted) + 1,
-        "eval_sets": {"science": {"documents": 5}, "trivia": {"documents": 1}, "math": {"documents": 1}},
+        "eval_sets": {
+            "science": {"documents": 5, "verbatim": 3, "edited": 2},
+            "trivia": {"documents": 1, "verbatim": 1},
+            # Without its template, whose last words count (they start the problem's own 4-grams).
+            "math": {"documents": 1, "edited": 1},
+        },
     }
     assert step.drain_stats() == {}
 
@@ -263,7 +286,7 @@ def test_remove_mode_names_the_sets(index_path):
     assert verdicts[0] is None
     assert verdicts[1].reason == "contaminated"
     assert verdicts[1].detail["eval_sets"] == ["math", "trivia"]
-    assert verdicts[1].detail["overlap"] == 1.0
+    assert verdicts[1].detail["coverage"] == 1.0
     assert json.loads(documents[1]["metadata"])["contamination"]["eval_sets"] == ["math", "trivia"]
     assert documents[0]["metadata"] == "{}"
 
@@ -271,14 +294,17 @@ def test_remove_mode_names_the_sets(index_path):
 def test_index_round_trips(index_path, tmp_path):
     index = DecontamIndex.load(str(index_path))
     header = index.header
-    assert header["format_version"] == FORMAT_VERSION and header["n"] == 13
+    assert header["format_version"] == FORMAT_VERSION and header["long_words"] == 13
     sets = {entry["name"]: entry for entry in header["sets"]}
     assert list(sets) == ["math", "science", "trivia"]
-    assert sets["science"]["ngram_records"] == 6 and sets["science"]["records"] == 6
+    assert sets["science"]["long_records"] == 6 and sets["science"]["records"] == 6
+    assert sets["science"]["layout"] == "question-choices-answer"
+    assert sets["science"]["fields"] == ["question=question", "answer=answer"]
     assert sets["trivia"]["short_records"] == 4 and sets["trivia"]["too_short"] == 1
-    assert sets["math"]["fields"] == ["problem", "solution.final"]
-    assert sets["math"]["template_ngrams"] > 0  # the shared instruction sentence
-    hashes = np.asarray(index.arrays["ngram_hash"])
+    assert sets["math"]["fields"] == ["problem", "solution.final"] and sets["math"]["layout"] == ""
+    assert sets["math"]["template_anchors"] > 0  # the shared instruction sentence
+    assert sets["math"]["files"][0]["rows"] == len(MATH)
+    hashes = np.asarray(index.arrays["anchor_hash"])
     assert np.all(hashes[1:] >= hashes[:-1])
     # Saved again, the same bytes; built again from the same files, the same bytes.
     copy = tmp_path / "copy.index"
@@ -309,7 +335,7 @@ def test_index_round_trips(index_path, tmp_path):
 def test_index_of_other_version_or_truncated_is_refused(index_path, tmp_path):
     data = index_path.read_bytes()
     stale = tmp_path / "stale.index"
-    stale.write_bytes(data.replace(b'"format_version":1', b'"format_version":9', 1))
+    stale.write_bytes(data.replace(b'"format_version":2', b'"format_version":9', 1))
     with pytest.raises(DecontamError, match="format version 9"):
         Decontaminate(str(stale))
     truncated = tmp_path / "truncated.index"
@@ -323,25 +349,41 @@ def test_index_of_other_version_or_truncated_is_refused(index_path, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("lines", "message"),
+    ("lines", "fields", "message"),
     [
-        (['{"question": "fine", "answer": "x"}', '{"question": "broken"'], r"bad\.jsonl:2: not valid JSON"),
+        (
+            ['{"question": "fine", "answer": "x"}', '{"question": "broken"'],
+            "auto",
+            r"bad\.jsonl:2: not valid JSON",
+        ),
         (
             ['{"question": "fine", "answer": "x"}', "", '{"question": "no answer"}'],
+            "question,answer",
             r"bad\.jsonl:3: missing field 'answer'",
         ),
-        (['["a", "list"]'], r"bad\.jsonl:1: expected a JSON object"),
-        (['{"question": {"nested": 1}, "answer": "x"}'], r"bad\.jsonl:1: field 'question' is a dict"),
+        (
+            ['{"question": "fine", "answer": "x"}', '{"answer": "no question"}'],
+            "auto",
+            r"bad\.jsonl:2: missing field 'question' \(the question of layout question-choices-answer",
+        ),
+        (
+            ['{"title": "t", "body": "b"}'],
+            "auto",
+            r"bad\.jsonl:1: the record's fields \(body, title\) fit no",
+        ),
+        (['["a", "list"]'], "auto", r"bad\.jsonl:1: expected a JSON object"),
+        (['{"question": {"nested": 1}, "answer": "x"}'], "auto", r"bad\.jsonl:1: field 'question' is a dict"),
     ],
 )
-def test_malformed_evaluation_file_fails_naming_file_and_line(tmp_path, capsys, lines, message):
+def test_malformed_evaluation_file_fails_naming_file_and_line(tmp_path, capsys, lines, fields, message):
     (tmp_path / "good.jsonl").write_text('{"question": "fine question", "answer": "y"}\n')
     (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
     output = tmp_path / "out.index"
-    assert main(["decontam", "index", "--evals", str(tmp_path / "*.jsonl"), "--output", str(output)]) == 2
+    arguments = ["decontam", "index", "--evals", str(tmp_path / "*.jsonl"), "--fields", fields]
+    assert main([*arguments, "--output", str(output)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
     with pytest.raises(DecontamError, match=message):
-        read_eval_sets(sorted(str(p) for p in tmp_path.glob("*.jsonl")))
+        read_eval_sets(eval_set_sources([str(tmp_path / "*.jsonl")], FieldSpec.parse(fields)))
     assert not output.exists()
 
 
@@ -353,11 +395,11 @@ def test_optional_fields_and_unknown_set_names(tmp_path):
             {"question": "seven", "answer": "eight nine ten eleven twelve"},
         ],
     )
-    (eval_set,) = read_eval_sets([str(path)], FieldSpec.parse("question,answer?"))
+    (eval_set,) = read_eval_sets(eval_set_sources([str(path)], FieldSpec.parse("question,answer?")))
     assert eval_set.texts == ["one two three four five six", "seven eight nine ten eleven twelve"]
-    with pytest.raises(DecontamError, match="names no evaluation file: nope"):
-        read_eval_sets([str(path)], set_fields={"nope": FieldSpec()})
-    assert build_index([eval_set]).header["short_lengths"] == [6]
+    with pytest.raises(DecontamError, match="names no evaluation set: nope"):
+        eval_set_sources([str(path)], set_fields={"nope": FieldSpec()})
+    assert build_index([eval_set]).header["sets"][0]["short_records"] == 2
 
 
 def test_recipe_fails_at_load_when_the_index_is_missing(tmp_path, index_path, capsys):
@@ -416,7 +458,7 @@ def test_curate_removes_or_flags_and_counts(tmp_path, index_path):
     assert stats["stages"]["decontam"] == {
         "documents": len(documents),
         "contaminated": 2,
-        "eval_sets": {"science": {"documents": 1}, "trivia": {"documents": 1}},
+        "eval_sets": {"science": {"documents": 1, "verbatim": 1}, "trivia": {"documents": 1, "verbatim": 1}},
     }
     removed = pq.read_table(output / "removed" / "stage=decontam" / "reason=contaminated").to_pylist()
     assert {row["id"].split(":")[-1]: json.loads(row["detail"])["eval_sets"] for row in removed} == {
@@ -437,3 +479,40 @@ def test_curate_removes_or_flags_and_counts(tmp_path, index_path):
         if "contamination" in json.loads(row["metadata"])
     }
     assert flagged == {"dirty-science": ["science"], "dirty-trivia": ["trivia"]}
+
+
+def test_hot_anchors_and_long_passages(tmp_path):
+    """A page that repeats an anchor a hundred thousand times is judged in bounded time and memory and is
+    not an item; a long passage quoted in part is a partial match; a phrase in many records of many sets
+    is no anchor."""
+    passage = " ".join(clean_documents()[:40]).split()[:3000]
+    chorus = "the chorus goes la la la la la la la la and then the singer bows to the crowd twice"
+    stock = [
+        {"question": f"Item {set_number}-{number}: the function returns a new list of the values {number}"}
+        for set_number in range(8)
+        for number in range(9)
+    ]
+    write_jsonl(tmp_path / "songs.jsonl", [{"question": chorus}, {"question": " ".join(passage)}])
+    for set_number in range(8):
+        write_jsonl(tmp_path / f"stock{set_number}.jsonl", stock[set_number * 9 : set_number * 9 + 9])
+    index = build_index(read_eval_sets(eval_set_sources([str(tmp_path / "*.jsonl")])))
+    assert index.header["common_anchors"] > 0  # "returns a new list" is in 72 records of 8 sets
+    index.save(str(tmp_path / "index"))
+    step = Decontaminate(str(tmp_path / "index"), action="flag")
+    started = time.monotonic()
+    (repeated,) = judge(step, ["la " * 100_000])
+    assert repeated is None and time.monotonic() - started < 20
+    quoted = " ".join(passage[1000:1060])
+    (partial,) = judge(step, [f"As the manual says: {quoted} And so on."])
+    assert partial["matches"][0]["match"] == "partial" and partial["matches"][0]["words"] >= 55
+    assert partial["coverage"] < 0.05
+
+
+def test_records_hash_alike_in_any_chunk():
+    from tokenmill.filters.decontam.index import _hash_records
+
+    texts = [normalize_for_matching(q + " " + a) for q, a in SCIENCE + TRIVIA + MATH]
+    whole = _hash_records(texts, 13, 6)
+    for chunk in (1, 2, 7):
+        for mine, theirs in zip(_hash_records(texts, 13, 6, chunk=chunk), whole, strict=True):
+            assert np.array_equal(mine, theirs)

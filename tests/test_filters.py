@@ -9,10 +9,10 @@ import pytest
 from conftest import SAMPLE
 from datatrove.data import Document
 
-from tokenmill.documents import curated_dataset, removed_dataset
 from tokenmill.filters.heuristics import HeuristicFilter, datatrove_filter_class
 from tokenmill.filters.language import LanguageFilter
 from tokenmill.filters.normalize import Normalize
+from tokenmill.formats.documents import curated_dataset, removed_dataset
 from tokenmill.pipelines.readers import InputFields, read_file
 from tokenmill.pipelines.recipe import RecipeError, build_steps, load_recipe
 

@@ -14,6 +14,7 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from conftest import tree_bytes
+from test_exact_dedupe import run as run_probed
 
 from tokenmill.cli import main
 from tokenmill.filters.minhash import (
@@ -24,11 +25,13 @@ from tokenmill.filters.minhash import (
     jaccard,
     words,
 )
+from tokenmill.pipelines.exact_dedupe import DuplicateIdError
 from tokenmill.pipelines.fuzzy_dedupe import (
-    ComponentsNotConverged,
     ConnectedComponents,
     FuzzyDedupe,
     _StatsCombine,
+    node_id,
+    node_key,
     size_bucket,
 )
 from tokenmill.pipelines.recipe import RecipeError, build_steps, load_recipe
@@ -102,12 +105,12 @@ def run_stage(documents: list[dict], tmp_path: Path, **params) -> tuple[dict, di
     return run_stages(documents, tmp_path, params)[0]
 
 
-def run_components(
-    edges: list[tuple[str, str]], tmp_path: Path, max_rounds: int, policy: str
-) -> tuple[dict, dict]:
+def run_components(edges: list[tuple[str, str]], tmp_path: Path, max_rounds: int) -> tuple[dict, dict]:
+    """ConnectedComponents on edges between ids: ({id: (root id, size)}, stats)."""
     options = PipelineOptions(["--direct_num_workers=1", "--direct_running_mode=in_memory"])
+    keyed = [(node_key(first), node_key(second)) for first, second in edges]
     with beam.Pipeline(runner=FnApiRunner(), options=options) as pipeline:
-        result = pipeline | beam.Create(edges) | ConnectedComponents(max_rounds, policy)
+        result = pipeline | beam.Create(keyed) | ConnectedComponents(max_rounds)
         (
             result["labels"]
             | "ListLabels" >> beam.combiners.ToList()
@@ -118,7 +121,10 @@ def run_components(
             | "SumStats" >> beam.CombineGlobally(_StatsCombine())
             | "DumpStats" >> beam.ParDo(_Dump(str(tmp_path / "cc-stats.json")))
         )
-    labels = {node: tuple(label) for node, label in json.loads((tmp_path / "labels.json").read_text())}
+    labels = {
+        node_id(node): (node_id(root), size)
+        for node, (root, size) in json.loads((tmp_path / "labels.json").read_text())
+    }
     return labels, json.loads((tmp_path / "cc-stats.json").read_text())
 
 
@@ -237,27 +243,34 @@ def test_planted_near_duplicates_are_found_and_distinct_documents_kept(tmp_path)
     hasher = MinHasher()
     assert min(shingle_jaccard(hasher, texts[c], texts[o]) for c, o in planted.items()) > 0.85
     kept, removed, stats = run_stage(documents, tmp_path)
-    assert set(removed) == set(planted)
-    assert set(kept) == {d["id"] for d in documents} - set(planted)
-    for identifier, original in planted.items():
-        row = removed[identifier]
+    # Each original and its copies are one component; the one with the smallest node key (a hash of
+    # the id, then the id) is kept, original or copy.
+    groups: dict[str, list[str]] = {}
+    for copy, original in planted.items():
+        groups.setdefault(original, [original]).append(copy)
+    roots = {member: min(group, key=node_key) for group in groups.values() for member in group}
+    assert {root for root in roots.values()} - set(planted)  # some roots are originals ...
+    assert {root for root in roots.values()} & set(planted)  # ... and some are copies
+    assert set(removed) == {member for member, root in roots.items() if member != root}
+    assert set(kept) == {d["id"] for d in documents} - set(removed)
+    for identifier, row in removed.items():
         detail = json.loads(row["detail"])
         assert (row["stage"], row["reason"]) == ("fuzzy_dedupe", "near_duplicate")
-        assert detail["kept_id"] == row["dup_cluster"] == original and detail["containment"] >= 0.7
-        assert kept[original]["dup_cluster"] == original
+        assert detail["kept_id"] == row["dup_cluster"] == roots[identifier] and detail["containment"] >= 0.7
+        assert kept[roots[identifier]]["dup_cluster"] == roots[identifier]
     assert all(
         document.get("dup_cluster") is None
         for identifier, document in kept.items()
-        if identifier not in set(planted.values())
+        if identifier not in roots
     )
-    assert stats["documents"] == len(documents) and stats["converged"] == 1
+    assert stats["documents"] == len(documents) and stats["residual_edges"] == 0
     assert stats["components"] == 40 and stats["removed_documents"] == len(planted) == 60
     assert stats["component_sizes"] == {"2": 20, "3": 20}
     assert stats["documents_in_components"] == 100 and stats["largest_component"] == 3
-    # Star edges, each member to its bucket's smallest id: every copy to its original, and some copies
-    # to each other in buckets that their original is not in.
+    # Star edges, each member to its bucket's smallest node: one or two per component, and a few more
+    # where the members of a component fall into buckets differently.
     assert 60 <= stats["candidate_pairs"] <= 80
-    assert stats["removed_characters"] == sum(len(removed[i]["text"]) for i in planted)
+    assert stats["removed_characters"] == sum(len(row["text"]) for row in removed.values())
 
 
 def chain_documents(length: int = 10, window: int = 300, shift: int = 20) -> list[dict]:
@@ -281,45 +294,47 @@ def test_transitive_chains_without_and_with_verification(tmp_path):
         {"verify": "containment", "threshold": 0.7},
         {"verify": "jaccard", "threshold": 0.7},
     )
-    # Without verification the chain is one component: only its smallest id is kept.
+    # Without verification the chain is one component: only its smallest node is kept, which is c06
+    # (node keys in order: c06, c07, c03, c09, c02, c01, c05, c04, c08, c00).
+    assert min((d["id"] for d in documents), key=node_key) == "c06"
     kept, removed, stats = plain
-    assert set(kept) == {"c00"} and len(removed) == 9
-    assert {json.loads(row["detail"])["kept_id"] for row in removed.values()} == {"c00"}
+    assert set(kept) == {"c06"} and len(removed) == 9
+    assert {json.loads(row["detail"])["kept_id"] for row in removed.values()} == {"c06"}
     assert stats["components"] == 1 and stats["component_sizes"] == {"9-16": 1}
-    # With containment verification a member goes only if enough of it is in c00: the far end stays,
-    # still marked as part of c00's component.
+    # With containment verification a member goes only if enough of it is in c06: the far end stays,
+    # still marked as part of c06's component.
     kept, removed, stats = verified
     for row in removed.values():
-        assert containment(hasher.shingles(row["text"]), hasher.shingles(documents[0]["text"])) >= 0.7
-    # (containment in c00: 0.93, 0.87, 0.80, 0.73, then 0.66 for c05 and less further on)
-    assert set(removed) == {"c01", "c02", "c03", "c04"}
-    assert set(kept) == {"c00", "c05", "c06", "c07", "c08", "c09"}
-    assert all(row["dup_cluster"] == "c00" for row in [*kept.values(), *removed.values()])
+        assert containment(hasher.shingles(row["text"]), hasher.shingles(documents[6]["text"])) >= 0.7
+    # (containment in c06: 0.93 for c05 and c07, 0.86 for c04 and c08, 0.80, 0.73 for c02, then 0.66 for
+    # c01 and 0.59 for c00)
+    assert set(removed) == {"c02", "c03", "c04", "c05", "c07", "c08", "c09"}
+    assert set(kept) == {"c00", "c01", "c06"}
+    assert all(row["dup_cluster"] == "c06" for row in [*kept.values(), *removed.values()])
     assert stats["verification_kept"] == len(kept) - 1
     # True Jaccard is stricter than containment for documents of equal length (0.87, 0.76, then 0.66).
     _, removed_jaccard, _ = strict
-    assert set(removed_jaccard) == {"c01", "c02"}
+    assert set(removed_jaccard) == {"c04", "c05", "c07", "c08"}
 
 
-def test_connected_components_converge_to_the_smallest_id_or_fail_loudly(tmp_path):
+def test_connected_components_converge_to_the_smallest_node_whatever_the_rounds(tmp_path):
     rng = random.Random(5)
     nodes = [f"n{value:06d}" for value in rng.sample(range(10**6), 48)]
     path = list(zip(nodes, nodes[1:], strict=False))  # one long chain, ids in random order
     triangle = [("x2", "x1"), ("x3", "x2"), ("x1", "x3"), ("x1", "x1")]  # a cycle and a self loop
-    labels, stats = run_components(path + triangle, tmp_path, max_rounds=8, policy="fail")
-    assert stats["converged"] == 1 and 0 < stats["rounds_that_changed_edges"] < 8
+    labels, stats = run_components(path + triangle, tmp_path, max_rounds=8)
+    assert stats["residual_edges"] == 0 and 0 < stats["rounds_that_changed_edges"] < 8
+    chain_root, triangle_root = min(nodes, key=node_key), min(("x1", "x2", "x3"), key=node_key)
     assert labels == {
-        **{node: (min(nodes), 48) for node in nodes},
-        **{x: ("x1", 3) for x in ("x1", "x2", "x3")},
+        **{node: (chain_root, 48) for node in nodes},
+        **{x: (triangle_root, 3) for x in ("x1", "x2", "x3")},
     }
     assert stats["components"] == 2 and stats["component_sizes"] == {"3": 1, "33-64": 1}
-    # One round cannot flatten a 48-node chain: fail loudly, or keep the chained nodes unlabelled.
-    with pytest.raises(ComponentsNotConverged, match="did not converge in max_rounds=1"):
-        run_components(path, tmp_path, max_rounds=1, policy="fail")
-    labels, stats = run_components(path, tmp_path, max_rounds=1, policy="keep")
-    assert stats["converged"] == 0 and stats["unconverged_nodes"] > 0
-    assert len(labels) < len(nodes)  # chained nodes get no label, so they are never removed
-    assert all(root <= node for node, (root, _) in labels.items())
+    # One round cannot flatten a 48-node chain: the exact finish does the rest, with the same labels.
+    labels_after_one, stats = run_components(path + triangle, tmp_path, max_rounds=1)
+    assert labels_after_one == labels
+    assert stats["rounds"] == 1 and stats["residual_edges"] > 0 and stats["residual_nodes"] > 0
+    assert stats["components"] == 2
 
 
 def test_empty_one_word_and_very_long_documents_in_the_stage(tmp_path):
@@ -336,13 +351,54 @@ def test_empty_one_word_and_very_long_documents_in_the_stage(tmp_path):
         {"id": "l1", "text": " ".join(edit(rng, long_words, 0.01))},
     ]
     (kept, removed, stats), nothing = run_stages([documents, []], tmp_path, {}, {})
-    assert set(kept) == {"e0", "e1", "w0", "w2", "l0"} and set(removed) == {"w1", "l1"}
+    # Of each pair, the one with the smaller node key stays: w0 (before w1) and l1 (before l0).
+    assert min(("w0", "w1"), key=node_key) == "w0" and min(("l0", "l1"), key=node_key) == "l1"
+    assert set(kept) == {"e0", "e1", "w0", "w2", "l1"} and set(removed) == {"w1", "l0"}
     assert stats["documents_without_words"] == 2
-    assert kept["e0"].get("dup_cluster") is None and kept["l0"]["dup_cluster"] == "l0"
+    assert kept["e0"].get("dup_cluster") is None and kept["l1"]["dup_cluster"] == "l1"
     # No documents at all (everything filtered earlier): nothing out, and the stats are still there.
     kept, removed, stats = nothing
     assert kept == {} and removed == {}
-    assert stats["documents"] == 0 and stats["components"] == 0 and stats["converged"] == 1
+    assert stats["documents"] == 0 and stats["components"] == 0 and stats["residual_edges"] == 0
+
+
+def test_only_ids_move_until_the_join_and_verification_groups_are_salted(tmp_path):
+    # 61 light copies of one text (one component) among 40 unrelated documents, verified in groups of
+    # at most ~8 members: the root's shingles go to each group, never to each member.
+    rng = random.Random(9)
+    vocab = vocabulary(rng)
+    base = prose(rng, vocab, 300)
+    documents = [{"id": f"copy{index:02d}", "text": " ".join(edit(rng, base, 0.005))} for index in range(61)]
+    documents += [
+        {"id": f"other{index:02d}", "text": " ".join(prose(rng, vocab, 200))} for index in range(40)
+    ]
+    kept, removed, probe = run_probed(
+        documents, tmp_path / "salted", FuzzyDedupe(max_rounds=4, verify_group_size=8)
+    )
+    root = min((d["id"] for d in documents if d["id"].startswith("copy")), key=node_key)
+    assert set(kept) == {root} | {d["id"] for d in documents if d["id"].startswith("other")}
+    assert len(removed) == 60 and {json.loads(row["detail"])["kept_id"] for row in removed.values()} == {root}
+    # Band buckets and component rounds group node keys only; whole documents are in two kinds of group:
+    # the join by id (one document each) and the salted verification groups (members and the root's
+    # shingles: ceil(61 / 8) = 8 groups of about 8 members, not one of 60).
+    carrying = {label: counts for label, counts in probe.items() if counts[1]}
+    assert set(carrying) == {"JoinById", "GroupBySaltedRoot"}
+    assert carrying["JoinById"] == (2, 1)
+    most_values, most_documents = carrying["GroupBySaltedRoot"]
+    assert most_values == most_documents + 1 and 8 <= most_documents <= 20
+    # The same decisions as one unsalted group.
+    unsalted_kept, unsalted_removed, unsalted_probe = run_probed(
+        documents, tmp_path / "one", FuzzyDedupe(max_rounds=4)
+    )
+    assert set(unsalted_kept) == set(kept) and unsalted_removed == removed
+    assert unsalted_probe["GroupBySaltedRoot"] == (61, 60)
+
+
+def test_two_documents_with_one_id_fail_naming_it(tmp_path):
+    text = "the same words in the same order make the same document here"
+    documents = [{"id": "x.jsonl:1", "text": text}, {"id": "x.jsonl:1", "text": text + " again"}]
+    with pytest.raises(DuplicateIdError, match=r"fuzzy_dedupe: two documents have the id 'x\.jsonl:1'"):
+        run_probed(documents, tmp_path, FuzzyDedupe(max_rounds=2))
 
 
 def test_recipe_parameters_are_checked(tmp_path):
@@ -351,7 +407,7 @@ def test_recipe_parameters_are_checked(tmp_path):
         ("{verify: maybe}", "verify must be one of"),
         ("{bands: 0}", "bands must be"),
         ("{threshold: 1.5}", "threshold must be"),
-        ("{on_unconverged: ignore}", "on_unconverged"),
+        ("{on_unconverged: keep}", "on_unconverged is gone: connected components now always converge"),
         ("{shingle_size: 5}", "shingle_size"),
     ):
         recipe.write_text(f"name: r\nstages:\n  - fuzzy_dedupe: {bad}\n")
@@ -384,10 +440,11 @@ def write_corpus(directory: Path) -> dict[str, str]:
     return planted
 
 
-def curate(output: Path, inputs: Path, recipe: Path, workers: int) -> dict:
+def curate(output: Path, inputs: Path, recipe: Path, workers: int, *extra: str) -> dict:
     status = main(
         [
             "curate",
+            *extra,
             "--recipe",
             str(recipe),
             "--input",
@@ -412,22 +469,27 @@ def test_curate_accounts_for_fuzzy_dedupe_and_reruns_identically_whatever_the_wo
     by_reason = stats["removed_by_reason"]["fuzzy_dedupe/near_duplicate"]
     assert by_reason["documents"] == stage["removed_documents"] == len(planted)
     assert by_reason["characters"] == stage["removed_characters"]
-    assert stage["candidate_pairs"] == stage["components"] == len(planted) and stage["converged"] == 1
+    assert stage["candidate_pairs"] == stage["components"] == len(planted) and stage["residual_edges"] == 0
     assert stage["component_sizes"] == {"2": len(planted)}
     removed = pq.read_table(
         tmp_path / "one" / "removed" / "stage=fuzzy_dedupe" / "reason=near_duplicate"
     ).to_pylist()
-    assert {
-        row["id"].split(":")[1]: json.loads(row["detail"])["kept_id"].split(":")[1] for row in removed
-    } == planted
+    # Of each planted pair, the document with the smaller node key (of its full id) is kept.
+    pairs = {frozenset(pair) for pair in planted.items()}
+    kept_ids = {json.loads(row["detail"])["kept_id"] for row in removed}
+    assert len(removed) == len(planted)
+    for row in removed:
+        kept_id = json.loads(row["detail"])["kept_id"]
+        assert frozenset((row["id"].split(":")[1], kept_id.split(":")[1])) in pairs
+        assert node_key(kept_id) < node_key(row["id"])
     curated = [
         row
         for path in sorted((tmp_path / "one" / "curated").rglob("*.parquet"))
         for row in pq.read_table(path).to_pylist()
     ]
-    clusters = {row["id"].split(":")[1]: row["dup_cluster"] for row in curated if row["dup_cluster"]}
-    assert set(clusters) == set(planted.values())
+    clusters = {row["id"]: row["dup_cluster"] for row in curated if row["dup_cluster"]}
+    assert set(clusters) == set(clusters.values()) == kept_ids
     # The same bytes on a rerun into the same folder, with two worker processes instead of one.
     first = tree_bytes(tmp_path / "one")
-    curate(tmp_path / "one", tmp_path / "in", recipe, workers=2)
+    curate(tmp_path / "one", tmp_path / "in", recipe, 2, "--overwrite")
     assert tree_bytes(tmp_path / "one") == first

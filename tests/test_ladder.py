@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +13,10 @@ import pytest
 
 from tokenmill.cli import main
 from tokenmill.mixtures import load_mixture, plan_mixture
+from tokenmill.samples.report_inputs import ReportInputs, make_report_inputs
 from tokenmill.trainer.config import load_model_config
 from tokenmill.trainer.flops import count_params, flops_per_token, forecast_flops_per_token
 from tokenmill.trainer.ladder import RunCurve, fit_ladder, load_ladder, plan_ladder, read_run
-
-sys.path.insert(0, str(Path(__file__).parent))
-from report_fixtures import ReportInputs, make_report_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MARIN = REPO / "configs" / "ladders" / "marin.yaml"

@@ -19,7 +19,8 @@ import pytest
 from tokenmill.trainer import model
 from tokenmill.trainer.config import ModelConfig, MoEConfig, load_model_config
 from tokenmill.trainer.data import SyntheticSource
-from tokenmill.trainer.train import Phase, TrainConfig, train
+from tokenmill.trainer.run_config import RunConfig
+from tokenmill.trainer.train import Phase, train
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 QUANTILE_BINS = 64  # few bins, so fp32 vs float64 rounding never moves a margin across a bin edge
@@ -314,16 +315,17 @@ def test_init_and_every_parameter_gets_a_gradient_from_it():
 @pytest.mark.parametrize("config", ["tiny-marin.yaml", "tiny.yaml"])
 def test_tiny_configs_train(tmp_path, config):
     cfg = load_model_config(MODELS / config).model_copy(update={"seq_len": 64})
-    settings = TrainConfig(
+    settings = RunConfig(
         output=str(tmp_path / "run"),
-        batch_size=4,
-        lr=3e-3,
-        warmup_steps=2,
-        peak_flops=1e9,
-        checkpoint_every=1000,
+        model=cfg,
+        data={"batch_size": 4},
+        optimizer={"kind": "adamw", "lr": 3e-3},
+        schedule={"warmup_steps": 2},
+        logging={"peak_flops": 1e9},
+        checkpoint={"every": 1000},
     )
     source = SyntheticSource(cfg.vocab_size, cfg.seq_len, 4, 0, active_vocab=64)
-    rows = train(cfg, settings, source, [Phase("pretraining", 0, 12)])
+    rows = train(settings, source, [Phase("pretraining", 0, 12)])
     losses = [row["loss"] for row in rows]
     assert len(rows) == 12 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3, losses

@@ -134,7 +134,7 @@ def test_ladder_slices_are_simulated_epoching_of_the_budget(rung: str, hero_plan
     batch = racks * 1024
     assert (plan.total_steps, plan.batch_size, plan.block_size) == (steps, batch, 49_152)
     assert plan.planned_tokens == plan.total_tokens == steps * batch * 4096
-    assert plan.slice["fraction"] == steps * batch * 4096 / 18.75e12
+    assert plan.slice.fraction == steps * batch * 4096 / 18.75e12
     multiple = 49_152 // math.gcd(49_152, batch)
     assert plan.phases[0].end_step == int(0.8 * steps) // multiple * multiple
     # Each cell repeats as often as at the budget: 1 / 0.9603 times as often as in the hero, which trains

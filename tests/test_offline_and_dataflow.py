@@ -1,9 +1,11 @@
-"""Nothing downloads at run time; the Dataflow job graph builds and every DoFn survives pickling."""
+"""Nothing downloads at run time, curate needs no trainer; the Dataflow job graph builds and every DoFn
+survives pickling."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import apache_beam as beam
 from apache_beam.internal import pickler
@@ -14,9 +16,26 @@ from tokenmill.pipelines.curate import CurateRun, build_pipeline
 from tokenmill.pipelines.options import add_runner_arguments, make_pipeline, pipeline_flags
 from tokenmill.pipelines.recipe import load_recipe
 
+# Appended to the offline sitecustomize: every process of the run (the CLI and Beam's workers) fails to
+# import the trainer's libraries, as on a curate-only install (`pip install tokenmill[dataflow]`).
+BLOCK_TRAINER = """
+import importlib.abc, sys
 
-def test_curate_runs_with_the_network_blocked(tmp_path):
+class _NoTrainer(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib", "optax", "orbax"):
+            raise ImportError(f"{name} is not part of a curate-only install")
+        return None
+
+sys.meta_path.insert(0, _NoTrainer())
+"""
+
+
+def test_curate_runs_with_the_network_blocked_and_without_the_trainer(tmp_path):
     env, log = offline_env(tmp_path)
+    with open(Path(env["PYTHONPATH"]) / "sitecustomize.py", "a") as site:
+        site.write(BLOCK_TRAINER)
+    assert "curate" in run_tokenmill("--help", env=env).stdout
     result = run_tokenmill(
         "curate",
         "--recipe",
@@ -63,10 +82,22 @@ def test_dataflow_flags():
     assert "--runner=DataflowRunner" in flags
     assert "--num_workers=50" in flags and "--max_num_workers=200" in flags
     assert "--machine_type=n2-standard-8" in flags
-    assert any(flag.startswith("--setup_file=") and flag.endswith("setup.py") for flag in flags)
+    # By default the workers get a wheel built from the installed package (never a checkout's setup.py).
+    [shipped] = [flag.split("=", 1)[1] for flag in flags if flag.startswith("--extra_package=")]
+    assert shipped.endswith("tokenmill-0.1.0-py3-none-any.whl") and Path(shipped).is_file()
+    assert not any(flag.startswith("--setup_file") for flag in flags)
     wheel_flags = pipeline_flags(dataflow_args("--extra_package", "dist/tokenmill-0.1.0-py3-none-any.whl"))
-    assert "--extra_package=dist/tokenmill-0.1.0-py3-none-any.whl" in wheel_flags
-    assert not any(flag.startswith("--setup_file") for flag in wheel_flags)
+    assert [flag for flag in wheel_flags if "--extra_package" in flag or "--setup_file" in flag] == [
+        "--extra_package=dist/tokenmill-0.1.0-py3-none-any.whl"
+    ]
+    setup_flags = pipeline_flags(dataflow_args("--setup_file", "./setup.py"))
+    assert [flag for flag in setup_flags if "--extra_package" in flag or "--setup_file" in flag] == [
+        "--setup_file=./setup.py"
+    ]
+    # A worker image that holds tokenmill (docker/curate.Dockerfile) needs no package.
+    image_flags = pipeline_flags(dataflow_args("--sdk_container_image", "gcr.io/p/tokenmill-curate:1"))
+    assert "--sdk_container_image=gcr.io/p/tokenmill-curate:1" in image_flags
+    assert not any(flag.startswith(("--extra_package", "--setup_file")) for flag in image_flags)
 
 
 def test_dataflow_job_graph_builds_and_every_dofn_pickles():
@@ -74,7 +105,8 @@ def test_dataflow_job_graph_builds_and_every_dofn_pickles():
     run = CurateRun(
         recipe, str(WEB_RECIPE), ["gs://tokenmill-test/raw/a.jsonl.zst"], "gs://tokenmill-test/out"
     )
-    # A dry run builds the package for the workers (an sdist from setup.py) and the job, and submits nothing.
+    # A dry run builds the package for the workers (the installed tokenmill's wheel) and the job, and
+    # submits nothing.
     pipeline = make_pipeline(dataflow_args("--dry_run"), "curate")
     build_pipeline(pipeline, run)
 
@@ -99,6 +131,14 @@ def test_dataflow_job_graph_builds_and_every_dofn_pickles():
     assert job.proto.name == "tokenmill-curate"
     worker_options = pipeline.options.view_as(WorkerOptions)
     assert (worker_options.machine_type, worker_options.num_workers) == ("n2-standard-8", 50)
+    from apache_beam.portability.api import beam_runner_api_pb2
+
+    staged = {
+        beam_runner_api_pb2.ArtifactStagingToRolePayload.FromString(dependency.role_payload).staged_name
+        for environment in job.proto_pipeline.components.environments.values()
+        for dependency in environment.dependencies
+    }
+    assert {"tokenmill-0.1.0-py3-none-any.whl", "extra_packages.txt"} <= staged  # what workers install
     transforms = {t.unique_name for t in job.proto_pipeline.components.transforms.values()}
     assert {"Read", "Step2_exact_dedupe", "WriteCurated", "WriteRemoved", "WriteRejected", "WriteStats"} <= {
         name.split("/")[0] for name in transforms

@@ -12,8 +12,18 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from tokenmill import storage
 from tokenmill.filters.normalize import Normalize, normalize_text
-from tokenmill.pipelines.readers import InputFields, input_format, read_file
+from tokenmill.pipelines.readers import (
+    DuplicateIdError,
+    InputFields,
+    Oversized,
+    bounded_lines,
+    input_format,
+    input_root,
+    read_file,
+    relative_source,
+)
 
 FIELDS = InputFields()
 
@@ -161,3 +171,187 @@ def test_normalization():
     verdicts = Normalize(max_chars=100).apply(documents)
     assert [v.reason if v else None for v in verdicts] == ["empty", "too_long", None]
     assert documents[2]["text"] == "é fine" and documents[2]["n_chars"] == 6 and documents[2]["n_words"] == 2
+
+
+# --- Names: sources and ids relative to the input root -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "patterns, root",
+    [
+        (["/data/crawl-*/part.jsonl"], "/data"),
+        (["/data/in/a.jsonl"], "/data/in"),
+        (["/data/in/**/*.jsonl.zst"], "/data/in"),
+        (["/data/a/*.jsonl", "/data/b/x.jsonl"], "/data"),
+        (["/data/in/part-[0-9].jsonl"], "/data/in"),
+        (["/*.jsonl"], "/"),
+        (["gs://bucket/prefix/crawl-*/part.jsonl"], "gs://bucket/prefix"),
+        (["gs://bucket/prefix/a/*.jsonl", "gs://bucket/prefix/b/*.jsonl"], "gs://bucket/prefix"),
+        (["gs://bucket-a/x/*.jsonl", "gs://bucket-b/x/*.jsonl"], "gs://"),
+        (["gs://buck*/x.jsonl"], "gs://"),
+        (["gs://bucket/x/*.jsonl", "/data/x/*.jsonl"], ""),
+    ],
+)
+def test_input_root_is_the_common_folder_before_the_first_glob(patterns, root):
+    assert input_root(patterns) == root
+
+
+def test_relative_sources_are_the_same_locally_and_in_a_bucket(tmp_path, monkeypatch):
+    assert relative_source("gs://bucket/prefix/crawl-01/part.jsonl", "gs://bucket/prefix") == (
+        "crawl-01/part.jsonl"
+    )
+    assert relative_source(str(tmp_path / "crawl-01" / "part.jsonl"), str(tmp_path)) == "crawl-01/part.jsonl"
+    assert relative_source("gs://b/a//x.jsonl", "gs://b") == "a//x.jsonl"  # not the same object as a/x
+    assert relative_source("gs://bucket-a/x/p.jsonl", "gs://") == "bucket-a/x/p.jsonl"
+    assert relative_source(str(tmp_path / "p.jsonl"), None) == "p.jsonl"
+    # A relative pattern and the relative paths its glob gives name files as absolute ones do.
+    monkeypatch.chdir(tmp_path)
+    assert input_root(["in/crawl-*/part.jsonl"]) == str(tmp_path / "in")
+    assert relative_source("in/crawl-02/part.jsonl", str(tmp_path / "in")) == "crawl-02/part.jsonl"
+    with pytest.raises(ValueError, match="not below the input root"):
+        relative_source("gs://other/prefix/a.jsonl", "gs://bucket/prefix")
+    with pytest.raises(ValueError, match="not below the input root"):
+        relative_source("/elsewhere/a.jsonl", str(tmp_path))
+
+
+def test_files_of_the_same_name_in_two_folders_get_distinct_ids(tmp_path):
+    records = [{"id": i, "text": f"document {i}"} for i in range(300)]
+    for crawl in ("crawl-01", "crawl-02"):
+        (tmp_path / crawl).mkdir()
+        (tmp_path / crawl / "part.jsonl").write_bytes(lines(*records, {"text": "no id"}))
+    pattern = str(tmp_path / "*" / "part.jsonl")
+    root = input_root([pattern])
+    documents = [d for path in storage.expand_glob(pattern) for d in read_file(path, FIELDS, root)]
+    assert len(documents) == 602 and len({d["id"] for d in documents}) == 602
+    assert documents[0]["id"] == "crawl-01/part.jsonl:0" and documents[0]["source"] == "crawl-01/part.jsonl"
+    assert documents[300]["id"] == "crawl-01/part.jsonl:L301"
+    assert documents[301]["id"] == "crawl-02/part.jsonl:0"
+
+
+def test_the_same_layout_on_local_disk_and_in_a_remote_filesystem_reads_identically(tmp_path):
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    files = {
+        "crawl-01/part.jsonl": lines({"id": "a", "text": "one"}, b"{broken", {"text": "two"}),
+        "crawl-02/part.jsonl.zst": zstandard.ZstdCompressor().compress(lines({"id": "a", "text": "three"})),
+    }
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+        memory.pipe(f"/bucket/prefix/{name}", data)
+
+    def read_all(pattern: str) -> list[dict]:
+        root = input_root([pattern])
+        records = [r for path in storage.expand_glob(pattern) for r in read_file(path, FIELDS, root)]
+        return [{k: v for k, v in r.items() if k not in ("file", "error")} for r in records]
+
+    try:
+        local = read_all(str(tmp_path / "*" / "part.*"))
+        remote = read_all("memory://bucket/prefix/*/part.*")
+    finally:
+        memory.rm("/bucket", recursive=True)
+    assert [r["id"] for r in local if r["kind"] == "document"] == [
+        "crawl-01/part.jsonl:a",
+        "crawl-01/part.jsonl:L3",
+        "crawl-02/part.jsonl.zst:a",
+    ]
+    assert json.dumps(local, sort_keys=True) == json.dumps(remote, sort_keys=True)
+
+
+def test_a_repeated_id_in_one_file_fails_naming_the_file_the_id_and_both_lines(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    path.write_bytes(lines({"id": "x", "text": "a"}, {"id": "y", "text": "b"}, b"", {"id": "x", "text": "c"}))
+    with pytest.raises(DuplicateIdError) as caught:
+        list(read_file(str(path), FIELDS))
+    assert str(path) in str(caught.value) and "'x'" in str(caught.value)
+    assert "line 1 and line 4" in str(caught.value)
+    # A native id that spells another record's position collides with it too.
+    path.write_bytes(lines({"text": "no id"}, {"id": "L1", "text": "claims line 1"}))
+    with pytest.raises(DuplicateIdError, match="line 1 and line 2"):
+        list(read_file(str(path), FIELDS))
+    table = tmp_path / "dup.parquet"
+    pq.write_table(pa.table({"id": [1, 2, 1], "text": ["a", "b", "c"]}), table)
+    with pytest.raises(DuplicateIdError, match="row 1 and row 3"):
+        list(read_file(str(table), FIELDS))
+
+
+# --- Bounded memory per record -------------------------------------------------------------------------
+
+
+def write_compressed(path, data: bytes) -> None:
+    if path.name.endswith(".gz"):
+        path.write_bytes(gzip.compress(data))
+    elif path.name.endswith(".zst"):
+        path.write_bytes(zstandard.ZstdCompressor().compress(data))
+    else:
+        path.write_bytes(data)
+
+
+@pytest.mark.parametrize("name", ["long.jsonl", "long.jsonl.gz", "long.jsonl.zst"])
+def test_a_line_over_max_record_bytes_is_rejected_and_the_lines_after_it_are_read(tmp_path, name):
+    big = json.dumps({"id": "big", "text": "w" * 3_000_000}).encode()  # spans several read chunks
+    short_big = json.dumps({"id": "short", "text": "v" * 2000}).encode()
+    data = lines(
+        {"id": 1, "text": "one"}, big, {"id": 2, "text": "two"}, short_big, {"id": 3, "text": "three"}
+    )
+    data += json.dumps({"id": "tail", "text": "t" * 5000}).encode()  # the last line has no newline
+    path = tmp_path / name
+    write_compressed(path, data)
+    records = list(read_file(str(path), FIELDS, max_record_bytes=1000))
+    assert [(r["kind"], r.get("id") or r["error_kind"]) for r in records] == [
+        ("document", f"{name}:1"),
+        ("rejected", "record_too_large"),
+        ("document", f"{name}:2"),
+        ("rejected", "record_too_large"),
+        ("document", f"{name}:3"),
+        ("rejected", "record_too_large"),
+    ]
+    first, second, last = (r for r in records if r["kind"] == "rejected")
+    assert first["line"] == 2 and first["offset"] == data.index(big)
+    assert f"{len(big) + 1:,} bytes" in first["error"] and str(path) in first["error"]
+    assert (
+        first["raw_truncated"] and len(first["raw"]) == 64 * 1024 and first["raw"].startswith('{"id": "big"')
+    )
+    assert second["line"] == 4 and second["offset"] == data.index(short_big)
+    assert not second["raw_truncated"] and second["raw"] == short_big.decode() + "\n"
+    assert last["line"] == 6 and last["offset"] == data.index(b'{"id": "tail"')
+
+
+def test_bounded_lines_never_holds_more_than_the_limit():
+    chunks = [b'{"a": 1}\n{"big": "', *[b"x" * 1000] * 50, b'"}\n{"b": 2}', b"\n"]
+    items = list(bounded_lines(iter(chunks), 5000))
+    assert items[0] == b'{"a": 1}\n' and items[2] == b'{"b": 2}\n'
+    assert isinstance(items[1], Oversized) and items[1].size == 50_012
+    assert items[1].head == b'{"big": "' + b"x" * 50_000 + b'"}\n'  # all of it: under RAW_LIMIT
+    items = list(bounded_lines(iter([b"y" * 10, b"y" * 10]), 15))
+    assert items == [Oversized(b"y" * 20, 20)]
+
+
+def test_zstd_that_expands_enormously_comes_out_in_bounded_chunks():
+    import io
+
+    from tokenmill.pipelines import readers
+
+    data = zstandard.ZstdCompressor().compress(b" " * 50_000_000 + b"\n")  # a few kB compressed
+    assert len(data) < 100_000
+    sizes = [len(chunk) for chunk in readers._zstd_chunks(io.BytesIO(data))]
+    assert sum(sizes) == 50_000_001 and max(sizes) <= readers.READ_CHUNK
+
+
+def test_a_parquet_text_over_max_record_bytes_is_rejected_from_arrow_memory(tmp_path):
+    path = tmp_path / "wide.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": ["short", "é" * 3000, None]}), path)
+    records = list(read_file(str(path), FIELDS, max_record_bytes=5000))
+    assert [r["kind"] for r in records] == ["document", "rejected", "rejected"]
+    too_large = records[1]
+    assert too_large["error_kind"] == "record_too_large" and too_large["line"] == 2
+    assert "6,000 bytes" in too_large["error"] and too_large["raw"] == "é" * 3000
+    assert records[2]["error_kind"] == "text_not_string"
+
+
+def test_a_file_that_is_not_parquet_is_one_unreadable_record(tmp_path):
+    path = tmp_path / "fake.parquet"
+    path.write_bytes(b"PAR1 this is not really parquet" * 100)
+    (record,) = read_file(str(path), FIELDS)
+    assert record["error_kind"] == "unreadable" and str(path) in record["error"]

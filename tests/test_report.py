@@ -7,7 +7,6 @@ import hashlib
 import json
 import re
 import shutil
-import sys
 import time
 from collections import Counter
 from html.parser import HTMLParser
@@ -17,14 +16,16 @@ import pytest
 
 import tokenmill.mixtures
 from tokenmill.cli import main
+from tokenmill.errors import FormatError
+from tokenmill.formats.plan import plan_from_json, read_plan
+from tokenmill.formats.runs import read_metrics
+from tokenmill.formats.tokens import read_counts
 from tokenmill.reports import svg
-from tokenmill.reports.inputs import InputError, read_metrics, sample_indices
+from tokenmill.reports.inputs import sample_indices
 from tokenmill.reports.overview import OverviewOptions, safe_href
-from tokenmill.reports.plans import cell_allocation, diff_plans, validate_plan
+from tokenmill.reports.plans import cell_allocation, plan_changes
 from tokenmill.reports.site import build_site
-
-sys.path.insert(0, str(Path(__file__).parent))
-from report_fixtures import HOSTILE_DOMAIN, ReportInputs, make_report_inputs, report_args  # noqa: E402
+from tokenmill.samples.report_inputs import HOSTILE_DOMAIN, ReportInputs, make_report_inputs, report_args
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,12 @@ def test_contamination_per_evaluation_set(site: Path) -> None:
     section = html.split("Contamination by evaluation set", 1)[1].split("</table>", 1)[0]
     assert "gsm8k-test" in section and "mmlu-test" in section
     assert section.index("gsm8k-test") < section.index("mmlu-test")
+    # Per benchmark: documents, their share of those checked, and how they matched.
+    rows = re.findall(r"<tr><td>([\w-]+)</td>((?:<td class=\"num\">[^<]*</td>)+)</tr>", section)
+    cells = {name: re.findall(r">([^<]*)<", numbers)[::2] for name, numbers in rows}
+    assert cells["gsm8k-test"][0] == "3" and cells["gsm8k-test"][2:] == ["2", "1", "0"]
+    assert cells["mmlu-test"][0] == "2" and cells["mmlu-test"][2:] == ["1", "0", "1"]
+    assert cells["mmlu-test"][1].endswith("%")
 
 
 def test_hostile_documents_are_text(site: Path) -> None:
@@ -175,7 +182,7 @@ def test_same_inputs_give_identical_bytes(inputs: ReportInputs, site: Path, tmp_
 
 
 def test_seed_changes_the_samples(inputs: ReportInputs, tmp_path: Path) -> None:
-    plan = json.loads(inputs.plan.read_text())
+    plan = read_plan(str(inputs.plan))
     ids = []
     for seed in (0, 1):
         result = build_site(
@@ -224,9 +231,14 @@ def test_safe_href_keeps_only_web_links() -> None:
 
 
 def test_plan_tools() -> None:
-    plan = {
+    document = {
         "name": "a",
+        "tokenizer": "t",
         "total_tokens": 100,
+        "sequence_length": 5,
+        "batch_size": 2,
+        "block_size": 2,
+        "tokens_per_step": 10,
         "phases": [
             {
                 "name": "p",
@@ -247,15 +259,16 @@ def test_plan_tools() -> None:
             },
         ],
     }
+    plan = plan_from_json(document)
     allocation = cell_allocation(plan, {"domain=a/quality=1": 150, "domain=a/quality=2": 50})
     assert allocation["domain=a/quality=1"]["p"]["tokens"] == pytest.approx(75)
     assert allocation["domain=a/quality=2"]["p"]["weight"] == pytest.approx(0.25)
     assert allocation["domain=a/quality=2"]["p"]["epochs"] == pytest.approx(0.5)
-    changed = json.loads(json.dumps(plan))
+    changed = json.loads(json.dumps(document))
     changed["phases"][0]["sources"][0]["weight"] = 0.5
     changed["phases"][0]["sources"].append({**changed["phases"][0]["sources"][0], "name": "t"})
     changed["phases"].append({**changed["phases"][0], "name": "q", "sources": []})
-    diff = diff_plans(plan, changed)
+    diff = plan_changes(plan, plan_from_json(changed))
     assert diff["changed"]
     assert [(p["name"], p["status"]) for p in diff["phases"]] == [("p", "changed"), ("q", "added")]
     assert [(s["name"], s["status"]) for s in diff["phases"][0]["sources"]] == [
@@ -263,9 +276,9 @@ def test_plan_tools() -> None:
         ("t", "added"),
     ]
     assert diff["phases"][0]["sources"][0]["fields"] == [{"field": "weight", "old": 1.0, "new": 0.5}]
-    assert not diff_plans(plan, plan)["changed"]
-    with pytest.raises(InputError, match="phases\\[0\\] has no 'tokens'"):
-        validate_plan({"phases": [{"name": "p"}]}, "x.json")
+    assert not plan_changes(plan, plan)["changed"]
+    with pytest.raises(FormatError, match="x.json: .*phases\\[0\\] has no 'tokens'"):
+        plan_from_json({**document, "phases": [{"name": "p"}]}, "x.json")
 
 
 def test_line_chart_is_deterministic_and_robust() -> None:
@@ -327,7 +340,7 @@ def test_run_page_of_a_dense_run_without_router_metrics(inputs: ReportInputs, tm
 def test_metrics_errors_name_the_line(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "loss": 1.0}\nnot json\n')
-    with pytest.raises(InputError, match="line 2"):
+    with pytest.raises(FormatError, match="line 2"):
         read_metrics(str(path))
 
 
@@ -343,7 +356,7 @@ def test_usage_errors(inputs: ReportInputs, tmp_path: Path, capsys: pytest.Captu
     bad.write_text("{")
     fails(report_args(inputs, out) + ["--plan", str(bad)], "not valid JSON")
     bad.write_text('{"phases": []}')
-    fails(report_args(inputs, out) + ["--plan", str(bad)], "no 'phases'")
+    fails(report_args(inputs, out) + ["--plan", str(bad)], "phases: empty")
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
@@ -370,32 +383,16 @@ def test_mixture_is_planned_lazily(
         "--output",
         str(tmp_path / "site"),
     ]
-    # Without a planner (the package exports names lazily through a module __getattr__).
-    for name in ("load_mixture", "plan_mixture"):
-        if name in vars(tokenmill.mixtures):
-            monkeypatch.delattr(tokenmill.mixtures, name)
-
-    def missing(name: str) -> object:
-        raise AttributeError(name)
-
-    monkeypatch.setattr(tokenmill.mixtures, "__getattr__", missing, raising=False)
-    assert main(args) == 2
-    assert "--plan" in capsys.readouterr().err
-
     seen = {}
 
-    class Plan:
-        def to_json(self) -> dict:
-            return json.loads(inputs.plan.read_text())
-
-    def plan_mixture(mixture: object, counts: dict) -> Plan:
+    def plan_mixture(mixture: object, counts: object) -> object:
         seen["counts"] = counts
-        return Plan()
+        return read_plan(str(inputs.plan))
 
     monkeypatch.setattr(tokenmill.mixtures, "load_mixture", lambda path: path, raising=False)
     monkeypatch.setattr(tokenmill.mixtures, "plan_mixture", plan_mixture, raising=False)
     assert main(args) == 0
-    assert seen["counts"] == json.loads((inputs.tokens / "counts.json").read_text())
+    assert seen["counts"] == read_counts(str(inputs.tokens / "counts.json"))
     assert "fixture-mix" in (tmp_path / "site" / "index.html").read_text()
 
 
@@ -418,11 +415,7 @@ phases:
 
 
 def test_mixture_with_the_real_planner(inputs: ReportInputs, tmp_path: Path) -> None:
-    """End to end through tokenmill.mixtures, where the planner exists in this tree."""
-    try:
-        from tokenmill.mixtures import load_mixture, plan_mixture  # noqa: F401
-    except ImportError:
-        pytest.skip("tokenmill.mixtures has no planner in this tree")
+    """End to end through tokenmill.mixtures' planner."""
     spec = tmp_path / "fixture.yaml"
     spec.write_text(FIXTURE_MIXTURE)
     previous = tmp_path / "previous.yaml"
@@ -445,7 +438,7 @@ def test_without_stats_removed_or_rejected(inputs: ReportInputs, tmp_path: Path)
     result = build_site(
         curated=str(curate / "curated"),  # the curated/ folder itself is accepted too
         tokens=str(inputs.tokens),
-        plan=json.loads(inputs.plan.read_text()),
+        plan=read_plan(str(inputs.plan)),
         output=str(tmp_path / "site"),
     )
     html = (Path(result.output) / "index.html").read_text()
@@ -467,7 +460,7 @@ def test_scale_200_cells_10000_samples(tmp_path: Path) -> None:
     result = build_site(
         curated=str(inputs.curate),
         tokens=str(inputs.tokens),
-        plan=json.loads(inputs.plan.read_text()),
+        plan=read_plan(str(inputs.plan)),
         output=str(tmp_path / "site"),
         options=OverviewOptions(samples_per_cell=50),
     )

@@ -7,22 +7,14 @@ and the layout survives hostile text. Screenshots go to test-artifacts/.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tokenmill.cli import main
-
-sys.path.insert(0, str(Path(__file__).parent))
-from report_fixtures import (  # noqa: E402
-    ReportInputs,
-    headless_chromium,
-    make_report_inputs,
-    missing_browser,
-    report_args,
-)
+from tokenmill.reports.browser import headless_chromium, missing_browser
+from tokenmill.samples.report_inputs import ReportInputs, make_report_inputs, report_args
 
 pytestmark = pytest.mark.browser
 

@@ -17,6 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenmill.errors import FormatError
+from tokenmill.formats.plan import MixturePlan, plan_from_json, write_plan
 from tokenmill.mixtures import load_counts, load_mixture, load_mixture_text, plan_mixture
 from tokenmill.tokenize.shards import ShardError
 from tokenmill.tokenize.tokenizer import TokenizerInfo
@@ -26,6 +28,7 @@ from tokenmill.trainer.direct_io import DirectIOUnavailable, DirectReader
 from tokenmill.trainer.sampler import (
     BlockShuffle,
     MixtureSource,
+    PrefetchedBatches,
     _granular_permute,
     derive_key,
     mix64,
@@ -94,10 +97,8 @@ def tokens_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def plan(tokens_dir) -> dict:
-    return plan_mixture(
-        load_mixture_text(SPEC), load_counts(os.path.join(tokens_dir, "counts.json"))
-    ).to_json()
+def plan(tokens_dir) -> MixturePlan:
+    return plan_mixture(load_mixture_text(SPEC), load_counts(os.path.join(tokens_dir, "counts.json")))
 
 
 def stream_of(tokens_dir: str, cells: list[str]) -> np.ndarray:
@@ -209,19 +210,19 @@ def test_block_shuffle_reads_contiguous_blocks():
 
 
 def test_is_a_batch_source_that_the_trainer_accepts(plan, tokens_dir):
-    source = MixtureSource(plan, "pretraining", tokens_dir, 0, 0, 1)
+    source = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 0, 0, 1)
     assert isinstance(source, BatchSource)
     assert source.vocab_size == 1000 and source.tokenizer_sha256 == SHA
     check_source(source, model_vocab_size=1000, expected_tokenizer_sha256=SHA)
     batch = source.batch(0)
-    assert batch.tokens.shape == (plan["batch_size"], plan["sequence_length"] + 1)
+    assert batch.tokens.shape == (plan.batch_size, plan.sequence_length + 1)
     assert batch.tokens.dtype == np.int32 and batch.segment_ids.dtype == np.int32
     assert np.array_equal(batch.segment_ids, segments_from_eos(batch.tokens, EOS))
 
 
 def test_rows_are_the_windows_the_draws_name(plan, tokens_dir):
-    source = MixtureSource(plan, "pretraining", tokens_dir, 5)
-    length = plan["sequence_length"]
+    source = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 5)
+    length = plan.sequence_length
     streams = {s.name: stream_of(tokens_dir, s.cells) for s in source.sources}
     for step in range(0, source.steps, 7):
         batch, where = source.batch(step), source.draws(step)
@@ -235,10 +236,10 @@ def test_rows_are_the_windows_the_draws_name(plan, tokens_dir):
 
 
 def test_windows_across_shard_and_cell_boundaries(tokens_dir, plan):
-    source = MixtureSource(plan, "pretraining", tokens_dir, 0)
+    source = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 0)
     web = next(s for s in source.sources if s.name == "web")
     stream = stream_of(tokens_dir, web.cells)
-    n, length = web.stream.num_windows, plan["sequence_length"]
+    n, length = web.stream.num_windows, plan.sequence_length
     out = np.empty((n, length + 1), dtype=np.int32)
     web.stream.gather(np.arange(n)[::-1], out, np.arange(n))
     expected = np.stack([stream[w * length : w * length + length + 1] for w in range(n)][::-1])
@@ -247,12 +248,12 @@ def test_windows_across_shard_and_cell_boundaries(tokens_dir, plan):
 
 
 def test_every_block_holds_the_planned_counts(plan, tokens_dir):
-    for phase in plan["phases"]:
-        source = MixtureSource(plan, phase["name"], tokens_dir, 11)
-        draws = all_draws(source, phase["steps"])
-        blocks = draws["source"].reshape(-1, plan["block_size"])
-        assert len(blocks) == phase["blocks"]
-        expected = [s["block_sequences"] for s in phase["sources"] if s["block_sequences"]]
+    for phase in plan.phases:
+        source = MixtureSource.from_plan(plan, phase.name, tokens_dir, 11)
+        draws = all_draws(source, phase.steps)
+        blocks = draws["source"].reshape(-1, plan.block_size)
+        assert len(blocks) == phase.blocks
+        expected = [s.block_sequences for s in phase.sources if s.block_sequences]
         for block in blocks:
             assert np.bincount(block, minlength=len(expected)).tolist() == expected
         # The order inside blocks is shuffled, and not the same in every block.
@@ -264,32 +265,30 @@ def test_block_counts_hold_whatever_the_batch_and_block_sizes(tmp_path, tokens_d
     spec = SPEC.replace("batch_size: 8", f"batch_size: {batch_size}").replace(
         "block_size: 32", f"block_size: {block_size}"
     )
-    plan = plan_mixture(
-        load_mixture_text(spec), load_counts(os.path.join(tokens_dir, "counts.json"))
-    ).to_json()
-    phase = plan["phases"][0]
-    source = MixtureSource(plan, "pretraining", tokens_dir, 1)
-    draws = all_draws(source, phase["steps"])
-    expected = [s["block_sequences"] for s in phase["sources"]]
+    plan = plan_mixture(load_mixture_text(spec), load_counts(os.path.join(tokens_dir, "counts.json")))
+    phase = plan.phases[0]
+    source = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 1)
+    draws = all_draws(source, phase.steps)
+    expected = [s.block_sequences for s in phase.sources]
     for block in draws["source"].reshape(-1, block_size):
         assert np.bincount(block, minlength=3).tolist() == expected
 
 
 def test_source_frequencies_match_the_weights(plan, tokens_dir):
-    for phase in plan["phases"]:
-        source = MixtureSource(plan, phase["name"], tokens_dir, 2)
-        draws = all_draws(source, phase["steps"])
+    for phase in plan.phases:
+        source = MixtureSource.from_plan(plan, phase.name, tokens_dir, 2)
+        draws = all_draws(source, phase.steps)
         seen = Counter(source.sources[i].name for i in draws["source"].tolist())
-        for planned in phase["sources"]:
-            realized = seen[planned["name"]] / len(draws["source"])
-            assert realized == pytest.approx(planned["weight"])  # exact: block_sequences / block_size
-            assert realized == pytest.approx(planned["weight_requested"], abs=1 / plan["block_size"])
+        for planned in phase.sources:
+            realized = seen[planned.name] / len(draws["source"])
+            assert realized == pytest.approx(planned.weight)  # exact: block_sequences / block_size
+            assert realized == pytest.approx(planned.weight_requested, abs=1 / plan.block_size)
             # The plan's tokens are exactly what is drawn.
-            assert seen[planned["name"]] * plan["sequence_length"] == planned["tokens"]
+            assert seen[planned.name] * plan.sequence_length == planned.tokens
 
 
 def test_a_full_epoch_draws_every_window_once(plan, tokens_dir):
-    source = MixtureSource(plan, "pretraining", tokens_dir, 3)
+    source = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 3)
     draws = all_draws(source, source.steps)
     for i, src in enumerate(source.sources):
         mine = draws["source"] == i
@@ -308,8 +307,8 @@ def test_a_full_epoch_draws_every_window_once(plan, tokens_dir):
 
 
 def test_midtraining_continues_each_source_where_pretraining_left_it(plan, tokens_dir):
-    pre = MixtureSource(plan, "pretraining", tokens_dir, 4)
-    mid = MixtureSource(plan, "midtraining", tokens_dir, 4)
+    pre = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 4)
+    mid = MixtureSource.from_plan(plan, "midtraining", tokens_dir, 4)
     pre_draws, mid_draws = all_draws(pre, pre.steps), all_draws(mid, mid.steps)
     for i, src in enumerate(mid.sources):
         used = int((pre_draws["source"] == [s.name for s in pre.sources].index(src.name)).sum())
@@ -327,35 +326,37 @@ def pre_draws_index(source: MixtureSource, name: str) -> int:
 
 
 def test_resume_from_a_step_gives_equal_batches(plan, tokens_dir):
-    first = MixtureSource(plan, "pretraining", tokens_dir, 9)
+    first = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 9)
     run = [first.batch(step) for step in range(40)]
     # A new process that starts at step 25, and one that asks in a scrambled order.
-    resumed = MixtureSource(plan, "pretraining", tokens_dir, 9)
+    resumed = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 9)
     for step in range(25, 40):
         batch = resumed.batch(step)
         assert np.array_equal(batch.tokens, run[step].tokens)
         assert np.array_equal(batch.segment_ids, run[step].segment_ids)
-    scrambled = MixtureSource(plan, "pretraining", tokens_dir, 9)
+    scrambled = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 9)
     for step in np.random.default_rng(0).permutation(40).tolist():
         assert np.array_equal(scrambled.batch(step).tokens, run[step].tokens)
-    other_seed = MixtureSource(plan, "pretraining", tokens_dir, 10)
+    other_seed = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 10)
     assert not np.array_equal(other_seed.batch(0).tokens, run[0].tokens)
 
 
 @pytest.mark.parametrize("processes", [2, 4, 8])
 def test_host_slices_are_disjoint_and_cover_the_batch(plan, tokens_dir, processes):
-    whole = MixtureSource(plan, "midtraining", tokens_dir, 6)
-    hosts = [MixtureSource(plan, "midtraining", tokens_dir, 6, i, processes) for i in range(processes)]
+    whole = MixtureSource.from_plan(plan, "midtraining", tokens_dir, 6)
+    hosts = [
+        MixtureSource.from_plan(plan, "midtraining", tokens_dir, 6, i, processes) for i in range(processes)
+    ]
     for step in (0, 1, 17, whole.steps - 1):
         parts = [host.draws(step) for host in hosts]
         rows = np.concatenate([p.rows for p in parts])
-        assert np.array_equal(rows, np.arange(plan["batch_size"]))  # disjoint, in order, covering
+        assert np.array_equal(rows, np.arange(plan.batch_size))  # disjoint, in order, covering
         pairs = {(int(s), int(d)) for p in parts for s, d in zip(p.source, p.draw, strict=True)}
-        assert len(pairs) == plan["batch_size"]  # no draw twice
+        assert len(pairs) == plan.batch_size  # no draw twice
         tokens = np.concatenate([host.batch(step).tokens for host in hosts])
         assert np.array_equal(tokens, whole.batch(step).tokens)
     with pytest.raises(ValueError, match="divisible"):
-        MixtureSource(plan, "midtraining", tokens_dir, 6, 0, 3)
+        MixtureSource.from_plan(plan, "midtraining", tokens_dir, 6, 0, 3)
 
 
 @settings(max_examples=40, deadline=None)
@@ -374,7 +375,7 @@ def test_segment_ids_equal_the_trainers_definition(rows, width, density, seed):
 
 
 def test_segment_ids_change_after_end_of_text(plan, tokens_dir):
-    batch = MixtureSource(plan, "pretraining", tokens_dir, 0).batch(3)
+    batch = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 0).batch(3)
     for tokens, segments in zip(batch.tokens, batch.segment_ids, strict=True):
         steps = np.flatnonzero(np.diff(segments))
         assert np.array_equal(steps, np.flatnonzero(tokens[:-1] == EOS))
@@ -382,7 +383,7 @@ def test_segment_ids_change_after_end_of_text(plan, tokens_dir):
 
 
 def test_vectorized_draws_equal_each_sources_own_windows(plan, tokens_dir):
-    source = MixtureSource(plan, "midtraining", tokens_dir, 12)
+    source = MixtureSource.from_plan(plan, "midtraining", tokens_dir, 12)
     draws = all_draws(source, source.steps)
     for i, src in enumerate(source.sources):
         mine = draws["source"] == i
@@ -393,20 +394,20 @@ def test_vectorized_draws_equal_each_sources_own_windows(plan, tokens_dir):
 def test_readahead_and_prefetch_change_no_batch(plan, tokens_dir, reader, request):
     if reader == "direct":
         request.getfixturevalue("direct_reads")
-    plain = MixtureSource(
-        plan, "pretraining", tokens_dir, 3, reader=reader, readahead_tokens=0, prefetch_batches=0
+    plain = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 3, reader=reader, readahead_tokens=0)
+    ahead = MixtureSource.from_plan(
+        plan, "pretraining", tokens_dir, 3, reader=reader, readahead_tokens=1 << 20
     )
-    busy = MixtureSource(
-        plan, "pretraining", tokens_dir, 3, reader=reader, readahead_tokens=1 << 20, prefetch_batches=3
-    )
-    assert plain.reader == busy.reader == reader
-    assert plain.readahead_batches == 0 and busy.readahead_batches > 0
+    busy = PrefetchedBatches(ahead, batches=3)
+    assert plain.reader == ahead.reader == reader
+    assert plain.readahead_batches == 0 and ahead.readahead_batches > 0
+    assert isinstance(busy, BatchSource) and busy.vocab_size == plain.vocab_size
     # In order, then jumps back and forward (a resume), then in order again.
     for step in [*range(12), 4, 5, 30, 31, 32, 2, 3, 4, 5, 6]:
         a, b = plain.batch(step), busy.batch(step)
         assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.segment_ids, b.segment_ids)
-    assert len(busy._pending) <= busy.prefetch_batches
-    assert all(s > 6 for s in busy._ahead) and len(busy._ahead) <= busy.readahead_batches + 3
+    assert sorted(busy._pending) == [7, 8, 9]
+    assert all(s > 6 for s in ahead._ahead) and len(ahead._ahead) <= ahead.readahead_batches + 3
     busy.close()
     assert np.array_equal(busy.batch(40).tokens, plain.batch(40).tokens)  # still works without helpers
     busy.close()
@@ -436,11 +437,11 @@ def spans_a_shard(source: MixtureSource, where) -> np.ndarray:
 @pytest.mark.parametrize("shuffle", [None, BlockShuffle(4, 2)], ids=["uniform", "block_shuffle"])
 def test_direct_reads_give_the_batches_of_the_memory_maps(plan, tokens_dir, direct_reads, shuffle):
     spanning = 0
-    for phase in plan["phases"]:
-        name = phase["name"]
-        mapped = MixtureSource(plan, name, tokens_dir, 5, reader="mmap", block_shuffle=shuffle)
-        direct = MixtureSource(plan, name, tokens_dir, 5, reader="direct", block_shuffle=shuffle)
-        alone = MixtureSource(
+    for phase in plan.phases:
+        name = phase.name
+        mapped = MixtureSource.from_plan(plan, name, tokens_dir, 5, reader="mmap", block_shuffle=shuffle)
+        direct = MixtureSource.from_plan(plan, name, tokens_dir, 5, reader="direct", block_shuffle=shuffle)
+        alone = MixtureSource.from_plan(
             plan,
             name,
             tokens_dir,
@@ -448,7 +449,6 @@ def test_direct_reads_give_the_batches_of_the_memory_maps(plan, tokens_dir, dire
             reader="direct",
             block_shuffle=shuffle,
             readahead_tokens=0,
-            prefetch_batches=0,
         )
         assert (mapped.reader, direct.reader, alone.reader) == ("mmap", "direct", "direct")
         assert "direct reads" in repr(direct)
@@ -463,7 +463,7 @@ def test_direct_reads_give_the_batches_of_the_memory_maps(plan, tokens_dir, dire
 
 
 def test_staged_reads_are_aligned_and_merge_neighbouring_windows(plan, tokens_dir):
-    source = MixtureSource(plan, "pretraining", tokens_dir, 0, reader="mmap")
+    source = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 0, reader="mmap")
     stream = source._stream
     length, width = stream.sequence_length, stream.width
     everything = stream.read(0, stream.num_tokens)
@@ -494,7 +494,7 @@ def test_staged_reads_are_aligned_and_merge_neighbouring_windows(plan, tokens_di
 
 
 def test_auto_falls_back_to_memory_maps_where_o_direct_is_refused(plan, tokens_dir, direct_reads):
-    stream = copy.copy(MixtureSource(plan, "pretraining", tokens_dir, 0, reader="mmap")._stream)
+    stream = copy.copy(MixtureSource.from_plan(plan, "pretraining", tokens_dir, 0, reader="mmap")._stream)
     # procfs refuses O_DIRECT, as some FUSE filesystems do.
     stream.paths = [*stream.paths[:-1], "/proc/self/status"]
     assert open_reads(stream, "auto", helpers=False).kind == "mmap"
@@ -505,7 +505,9 @@ def test_auto_falls_back_to_memory_maps_where_o_direct_is_refused(plan, tokens_d
 
 
 def test_byte_ranges_cover_the_windows(plan, tokens_dir):
-    web = next(s for s in MixtureSource(plan, "pretraining", tokens_dir, 0).sources if s.name == "web")
+    web = next(
+        s for s in MixtureSource.from_plan(plan, "pretraining", tokens_dir, 0).sources if s.name == "web"
+    )
     stream, width = web.stream, web.stream.width
     windows = np.arange(web.stream.num_windows)[::3]
     ranges = stream.byte_ranges(windows)
@@ -526,9 +528,9 @@ def test_byte_ranges_cover_the_windows(plan, tokens_dir):
 
 
 def test_block_shuffle_is_off_by_default_and_changes_only_the_order(plan, tokens_dir):
-    uniform = MixtureSource(plan, "pretraining", tokens_dir, 0)
+    uniform = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 0)
     assert all(s.block_shuffle is None for s in uniform.sources)
-    shuffled = MixtureSource(plan, "pretraining", tokens_dir, 0, block_shuffle=BlockShuffle(8, 2))
+    shuffled = MixtureSource.from_plan(plan, "pretraining", tokens_dir, 0, block_shuffle=BlockShuffle(8, 2))
     a, b = all_draws(uniform, uniform.steps), all_draws(shuffled, shuffled.steps)
     assert np.array_equal(a["source"], b["source"]) and np.array_equal(a["draw"], b["draw"])
     assert not np.array_equal(a["window"], b["window"])
@@ -548,16 +550,15 @@ def test_a_slice_draws_from_a_fixed_subset(tmp_path, tokens_dir):
     plan = plan_mixture(
         load_mixture(tmp_path / "slice.yaml"), load_counts(os.path.join(tokens_dir, "counts.json"))
     )
-    plan = plan.to_json()
-    assert plan["slice"]["fraction"] == pytest.approx(0.2)
-    for phase in plan["phases"]:
-        source = MixtureSource(plan, phase["name"], tokens_dir, 8)
-        draws = all_draws(source, phase["steps"])
+    assert plan.slice is not None and plan.slice.fraction == pytest.approx(0.2)
+    for phase in plan.phases:
+        source = MixtureSource.from_plan(plan, phase.name, tokens_dir, 8)
+        draws = all_draws(source, phase.steps)
         for i, src in enumerate(source.sources):
-            total = plan["sources"][src.name]
+            total = plan.sources[src.name]
             assert (
                 src.num_windows
-                == src.stream.num_windows * total["tokens_available"] // total["tokens_available_full"]
+                == src.stream.num_windows * total.tokens_available // total.tokens_available_full
             )
             subset = set(src.windows(np.arange(src.num_windows)).tolist())
             assert len(subset) == src.num_windows < src.stream.num_windows
@@ -565,7 +566,9 @@ def test_a_slice_draws_from_a_fixed_subset(tmp_path, tokens_dir):
             assert set(mine.tolist()) <= subset  # every epoch, every phase: the same subset
             assert len(mine) > src.num_windows  # repeats: more than an epoch
     # The subset is keyed by the seed, like every other choice.
-    first, other = (MixtureSource(plan, "pretraining", tokens_dir, seed).sources[0] for seed in (8, 9))
+    first, other = (
+        MixtureSource.from_plan(plan, "pretraining", tokens_dir, seed).sources[0] for seed in (8, 9)
+    )
     assert set(first.windows(np.arange(first.num_windows)).tolist()) != set(
         other.windows(np.arange(other.num_windows)).tolist()
     )
@@ -579,37 +582,50 @@ def test_mixed_tokenizers_are_refused_naming_both_hashes(tmp_path, plan):
     manifest["tokenizer"]["sha256"] = other
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ShardError) as error:
-        MixtureSource(plan, "pretraining", str(root), 0)
+        MixtureSource.from_plan(plan, "pretraining", str(root), 0)
     assert SHA in str(error.value) and other in str(error.value) and "code" in str(error.value)
 
 
 def test_a_plan_for_another_tokenizer_is_refused(plan, tokens_dir):
-    wrong = {**plan, "tokenizer_sha256": "c" * 64}
+    wrong = plan.model_copy(update={"tokenizer_sha256": "c" * 64})
     with pytest.raises(ShardError, match=f"{'c' * 64}.*{SHA}"):
-        MixtureSource(wrong, "pretraining", tokens_dir, 0)
+        MixtureSource.from_plan(wrong, "pretraining", tokens_dir, 0)
 
 
 def test_plan_errors_are_clear(plan, tokens_dir):
     with pytest.raises(ValueError, match="phase 'cooldown' is not in the plan"):
-        MixtureSource(plan, "cooldown", tokens_dir, 0)
-    missing = json.loads(json.dumps(plan))
+        MixtureSource.from_plan(plan, "cooldown", tokens_dir, 0)
+    missing = plan.to_json()
     missing["phases"][0]["sources"][1]["cells"] = ["domain=code/quality=0"]
     with pytest.raises(ValueError, match="cell domain=code/quality=0 is not in"):
-        MixtureSource(missing, "pretraining", tokens_dir, 0)
+        MixtureSource.from_plan(plan_from_json(missing), "pretraining", tokens_dir, 0)
     with pytest.raises(ValueError, match="negative"):
-        MixtureSource(plan, "pretraining", tokens_dir, 0).batch(-1)
+        MixtureSource.from_plan(plan, "pretraining", tokens_dir, 0).batch(-1)
+
+
+def test_a_plan_given_as_json_reads_through_the_format(plan, tokens_dir):
+    # `tokenmill train --plan` hands over the file's JSON: the same batches as the typed plan.
+    typed, parsed = (MixtureSource.from_plan(p, "midtraining", tokens_dir, 4) for p in (plan, plan.to_json()))
+    assert np.array_equal(typed.batch(3).tokens, parsed.batch(3).tokens)
+    assert typed.phase == parsed.phase == plan.phase("midtraining")
+    # A hand-edited plan that breaks the format is refused before any shard is opened, naming the field.
+    broken = plan.to_json()
+    broken["phases"][1]["sources"][0]["block_sequences"] = "4"
+    del broken["batch_size"]
+    with pytest.raises(FormatError, match=r"no 'batch_size'.*phases\[1\]\.sources\[0\]\.block_sequences"):
+        MixtureSource.from_plan(broken, "midtraining", tokens_dir, 4)
 
 
 def test_plans_without_block_sequences_use_largest_remainder(plan, tokens_dir):
-    old = json.loads(json.dumps(plan))
+    old = plan.to_json()
     for phase in old["phases"]:
         for source in phase["sources"]:
             source.pop("block_sequences")
             source["weight"] = source.pop("weight_requested")
         phase.pop("blocks")
     new, legacy = (
-        MixtureSource(plan, "midtraining", tokens_dir, 0),
-        MixtureSource(old, "midtraining", tokens_dir, 0),
+        MixtureSource.from_plan(plan, "midtraining", tokens_dir, 0),
+        MixtureSource.from_plan(plan_from_json(old), "midtraining", tokens_dir, 0),
     )
     assert [s.block_sequences for s in legacy.sources] == [s.block_sequences for s in new.sources]
     assert [s.draw_offset for s in legacy.sources] == [s.draw_offset for s in new.sources]
@@ -620,7 +636,7 @@ def test_plans_without_block_sequences_use_largest_remainder(plan, tokens_dir):
 def test_the_trainer_trains_on_a_plan_and_resumes(tmp_path, plan, tokens_dir):
     from conftest import run_tokenmill
 
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    write_plan(str(tmp_path / "plan.json"), plan)
     args = ["train", "--plan", str(tmp_path / "plan.json"), "--tokens", tokens_dir, "--phase", "pretraining"]
     args += [
         "--model",
@@ -634,4 +650,4 @@ def test_the_trainer_trains_on_a_plan_and_resumes(tmp_path, plan, tokens_dir):
     run_tokenmill(*args, "--steps", "4")  # resumes from the step-2 checkpoint
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
-    assert all(row["tokens"] == (row["step"] + 1) * plan["tokens_per_step"] for row in rows)
+    assert all(row["tokens"] == (row["step"] + 1) * plan.tokens_per_step for row in rows)

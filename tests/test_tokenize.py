@@ -19,7 +19,7 @@ import pytest
 from conftest import tree_bytes
 
 from tokenmill.cli import main
-from tokenmill.documents import DOCUMENT_SCHEMA
+from tokenmill.formats.documents import DOCUMENT_SCHEMA
 from tokenmill.tokenize import ShardChecksumError, ShardError, TokenCatalog, TokenShards
 from tokenmill.tokenize.tokenizer import dtype_for_vocab, load_tokenizer, sha256_bytes
 
@@ -249,7 +249,7 @@ def test_a_second_run_keeps_every_shard_and_writes_the_same_bytes(
     before = tree_bytes(copy)
     inodes = {p: p.stat().st_ino for p in copy.rglob("part-*")}
     capsys.readouterr()
-    assert tokenize(corpus[0], copy, tokenizer_path) == 0
+    assert tokenize(corpus[0], copy, tokenizer_path, "--resume") == 0
     assert "(0 written, 5 kept as complete)" in capsys.readouterr().out
     assert tree_bytes(copy) == before
     assert {p: p.stat().st_ino for p in copy.rglob("part-*")} == inodes  # kept, not rewritten
@@ -292,7 +292,7 @@ def test_resume_redoes_only_damaged_or_unfinished_shards_and_ends_with_the_same_
         p: p.stat().st_ino for p in [code / "part-00000.bin", web / "part-00000.bin", web / "part-00002.bin"]
     }
 
-    assert tokenize(corpus[0], copy, tokenizer_path) == 0
+    assert tokenize(corpus[0], copy, tokenizer_path, "--resume") == 0
     assert tree_bytes(copy) == clean
     assert {p: p.stat().st_ino for p in untouched} == untouched
     assert not list(copy.rglob(".tmp-*"))
@@ -303,13 +303,59 @@ def test_a_changed_source_file_is_tokenized_again(corpus, tokens, tokenizer_path
     shutil.copytree(corpus[0], curated)
     copy = copy_tokens(tokens, tmp_path / "tokens")
     write_cell_file(curated, "code", 3, 1, 2, ["a different document", "and another"])
-    assert tokenize(curated, copy, tokenizer_path) == 0
+    assert tokenize(curated, copy, tokenizer_path, "--resume") == 0
     shards = TokenShards(str(copy / "domain=code/quality=3"), verify=True)
     assert shards.shards[1]["documents"] == 2
     assert (
         shards.shards[0]
         == json.loads((tokens / "domain=code/quality=3/manifest.json").read_text())["shards"][0]
     )
+
+
+def test_an_earlier_run_is_refused_unless_resume_or_overwrite(
+    corpus, tokens, tokenizer_path, tmp_path, capsys
+):
+    copy = copy_tokens(tokens, tmp_path / "tokens")
+    (copy / "notes.txt").write_text("not ours\n")
+    before = tree_bytes(copy)
+    capsys.readouterr()
+    assert tokenize(corpus[0], copy, tokenizer_path) == 2
+    error = capsys.readouterr().err
+    assert f"--output {copy} holds an earlier tokenize run (counts.json, 5 shards" in error
+    assert "--resume" in error and "--overwrite" in error
+    assert tree_bytes(copy) == before  # refused before touching anything
+    with pytest.raises(SystemExit) as exit_info:  # one or the other
+        tokenize(corpus[0], copy, tokenizer_path, "--resume", "--overwrite")
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+    # --overwrite deletes the earlier run and writes every shard again: same bytes, new files.
+    assert tokenize(corpus[0], copy, tokenizer_path, "--overwrite") == 0
+    assert "(5 written, 0 kept as complete)" in capsys.readouterr().out
+    assert tree_bytes(copy) == before  # notes.txt, not a tokenize file, is left alone
+
+
+def test_resume_refuses_shards_this_run_would_not_write(corpus, tokens, tokenizer_path, tmp_path, capsys):
+    # The earlier run had one more source file in a cell: its shard would sit beside this run's.
+    copy = copy_tokens(tokens, tmp_path / "tokens")
+    cell = copy / "domain=code/quality=3"
+    for suffix in (".bin", ".idx", ".done.json"):
+        shutil.copy(cell / f"part-00000{suffix}", cell / f"part-00009{suffix}")
+    capsys.readouterr()
+    assert tokenize(corpus[0], copy, tokenizer_path, "--resume") == 2
+    error = capsys.readouterr().err
+    assert "holds 3 files that this run would not write" in error
+    assert "domain=code/quality=3/part-00009.bin" in error and "--overwrite" in error
+    # ...and a cell that is no longer in the input at all.
+    shutil.copytree(cell, copy / "domain=gone/quality=1")
+    shutil.rmtree(cell)
+    shutil.copytree(tokens / "domain=code/quality=3", cell)
+    assert tokenize(corpus[0], copy, tokenizer_path, "--resume") == 2
+    assert "domain=gone/quality=1/manifest.json" in capsys.readouterr().err
+
+    assert tokenize(corpus[0], copy, tokenizer_path, "--overwrite") == 0
+    assert not (copy / "domain=gone").exists()  # its files, then its emptied folders
+    assert tree_bytes(copy) == tree_bytes(tokens)
 
 
 # --- fail fast -------------------------------------------------------------------------------------------

@@ -103,6 +103,6 @@ def test_killed_run_resumes_to_the_same_bytes(setup, tmp_path):
     with pytest.raises(ShardError, match="counts.json: missing"):
         TokenCatalog(str(killed))
 
-    assert main(tokenize_args(curated, killed, tokenizer, workers=1)) == 0
+    assert main([*tokenize_args(curated, killed, tokenizer, workers=1), "--resume"]) == 0
     assert tree_bytes(killed) == tree_bytes(clean)
     assert TokenCatalog(str(killed), verify=True).total_tokens == TokenCatalog(str(clean)).total_tokens

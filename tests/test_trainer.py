@@ -15,7 +15,8 @@ import pytest
 from tokenmill.trainer.config import ModelConfig, MoEConfig
 from tokenmill.trainer.data import Batch, SyntheticSource, check_source, segments_from_eos
 from tokenmill.trainer.optim import Schedule, make_optimizer
-from tokenmill.trainer.train import Phase, TrainConfig, TrainingError, make_schedule, phases_from_plan, train
+from tokenmill.trainer.run_config import RunConfig, set_dotted
+from tokenmill.trainer.train import Phase, TrainingError, make_schedule, phases_from_plan, train
 
 METRIC_KEYS = {
     "step", "phase", "loss", "lr", "tokens", "tokens_per_second", "flops", "mfu", "grad_norm", "param_norm",
@@ -32,11 +33,14 @@ def tiny(**moe_overrides) -> ModelConfig:
     )  # fmt: skip
 
 
-def config(tmp_path, **overrides) -> TrainConfig:
-    settings = dict(output=str(tmp_path / "run"), batch_size=4, lr=3e-3, warmup_steps=5, peak_flops=1e9,
-                    checkpoint_every=1000, async_checkpoints=True)  # fmt: skip
-    settings.update(overrides)
-    return TrainConfig(**settings)
+def config(tmp_path, model_cfg: ModelConfig | None = None, **overrides) -> RunConfig:
+    """The tests' run: 4 sequences a step, AdamW at 3e-3; overrides by dotted field (`schedule__steps=3`)."""
+    settings = {"output": str(tmp_path / "run"), "model": (model_cfg or tiny()).model_dump(),
+                "data": {"batch_size": 4}, "optimizer": {"lr": 3e-3}, "schedule": {"warmup_steps": 5},
+                "logging": {"peak_flops": 1e9}, "checkpoint": {"every": 1000}}  # fmt: skip
+    return RunConfig.model_validate(
+        set_dotted(settings, {key.replace("__", "."): value for key, value in overrides.items()})
+    )
 
 
 def source(cfg: ModelConfig, batch_size: int = 4, seed: int = 0) -> SyntheticSource:
@@ -46,7 +50,7 @@ def source(cfg: ModelConfig, batch_size: int = 4, seed: int = 0) -> SyntheticSou
 def test_loss_falls_quickly(tmp_path):
     started = time.perf_counter()
     model_cfg = tiny()
-    rows = train(model_cfg, config(tmp_path), source(model_cfg), [Phase("pretraining", 0, 60)])
+    rows = train(config(tmp_path, model_cfg), source(model_cfg), [Phase("pretraining", 0, 60)])
     assert len(rows) == 60
     first, last = np.mean([r["loss"] for r in rows[:5]]), np.mean([r["loss"] for r in rows[-5:]])
     assert first > 5.0 and last < first - 1.5, (first, last)
@@ -66,11 +70,11 @@ def test_loss_falls_quickly(tmp_path):
 def test_resume_is_exact(tmp_path):
     model_cfg = tiny()
     phases = [Phase("pretraining", 0, 8)]
-    straight = train(model_cfg, config(tmp_path / "a"), source(model_cfg), phases)
+    straight = train(config(tmp_path / "a"), source(model_cfg), phases)
     # Four steps, then "killed" (the checkpoint at 4 is the last thing it wrote), then the same command again.
-    interrupted = config(tmp_path / "b", checkpoint_every=4, stop_after=4)
-    first = train(model_cfg, interrupted, source(model_cfg), phases)
-    second = train(model_cfg, config(tmp_path / "b", checkpoint_every=4), source(model_cfg), phases)
+    interrupted = config(tmp_path / "b", checkpoint__every=4)
+    first = train(interrupted, source(model_cfg), phases, stop_after=4)
+    second = train(config(tmp_path / "b", checkpoint__every=4), source(model_cfg), phases)
     assert [r["step"] for r in first] == [0, 1, 2, 3] and [r["step"] for r in second] == [4, 5, 6, 7]
     assert [r["loss"] for r in first + second] == [r["loss"] for r in straight]
     assert [r["router_bias_norm"] for r in first + second] == [r["router_bias_norm"] for r in straight]
@@ -84,11 +88,15 @@ def test_midtraining_continues_from_pretraining_with_the_decay(tmp_path):
                        {"name": "midtraining", "start_step": 6, "end_step": 10}]}  # fmt: skip
     phases = phases_from_plan(plan)
     with pytest.raises(TrainingError, match="continues from the previous phase"):
-        train(model_cfg, config(tmp_path, phase="midtraining", warmup_steps=2), source(model_cfg), phases)
+        train(
+            config(tmp_path, data__phase="midtraining", schedule__warmup_steps=2), source(model_cfg), phases
+        )
     # Pretraining stops early (3 of its 6 steps); midtraining still starts at its own step 6.
-    pre = train(model_cfg, config(tmp_path, steps=3, warmup_steps=2), source(model_cfg), phases)
+    pre = train(config(tmp_path, schedule__steps=3, schedule__warmup_steps=2), source(model_cfg), phases)
     mid = train(
-        model_cfg, config(tmp_path, phase="midtraining", warmup_steps=2), source(model_cfg, seed=1), phases
+        config(tmp_path, data__phase="midtraining", schedule__warmup_steps=2),
+        source(model_cfg, seed=1),
+        phases,
     )
     assert [r["step"] for r in pre] == [0, 1, 2] and [r["step"] for r in mid] == [6, 7, 8, 9]
     assert {r["phase"] for r in mid} == {"midtraining"}
@@ -102,17 +110,21 @@ def test_midtraining_continues_from_pretraining_with_the_decay(tmp_path):
 
 def test_nan_loss_stops_and_names_the_last_good_checkpoint(tmp_path):
     model_cfg = tiny()
-    cfg = config(tmp_path, lr=1e30, warmup_steps=0, checkpoint_every=1, clip_norm=1e30)
+    cfg = config(
+        tmp_path, optimizer__lr=1e30, schedule__warmup_steps=0, checkpoint__every=1, optimizer__clip_norm=1e30
+    )
     with pytest.raises(
         TrainingError, match=r"at step \d+ .*Last good checkpoint: .*checkpoints/\d+"
     ) as error:
-        train(model_cfg, cfg, source(model_cfg), [Phase("pretraining", 0, 20)])
+        train(cfg, source(model_cfg), [Phase("pretraining", 0, 20)])
     assert "loss is" in str(error.value)
 
 
-def test_schedules_span_phases():
+def test_schedules_span_phases(tmp_path):
     phases = [Phase("pretraining", 0, 80), Phase("midtraining", 80, 100)]
-    wsd = make_schedule(TrainConfig(output="x", lr=1.0, warmup_steps=10, min_lr_ratio=0.1), phases)
+    wsd = make_schedule(
+        config(tmp_path, optimizer__lr=1.0, schedule__warmup_steps=10, schedule__min_lr_ratio=0.1), phases
+    )
     assert (wsd.total_steps, wsd.decay_steps) == (100, 20)
     assert float(wsd(0)) == pytest.approx(0.1) and float(wsd(9)) == pytest.approx(1.0)
     assert float(wsd(79)) == pytest.approx(1.0) and float(wsd(90)) == pytest.approx(0.55)
@@ -163,7 +175,7 @@ def test_out_of_vocabulary_tokens_are_refused(tmp_path):
 
     model_cfg = tiny()
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        train(model_cfg, config(tmp_path), Wide(256, 32, 4), [Phase("pretraining", 0, 2)])
+        train(config(tmp_path, model_cfg), Wide(256, 32, 4), [Phase("pretraining", 0, 2)])
 
 
 def test_muon_orthogonalises_matrices_and_leaves_the_rest_to_adam():
@@ -203,8 +215,8 @@ def test_weights_and_biases_gets_the_metrics_when_installed(tmp_path, monkeypatc
 
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
     model_cfg = tiny()
-    cfg = config(tmp_path, steps=2, wandb_project="tokenmill-test")
-    train(model_cfg, cfg, source(model_cfg), [Phase("pretraining", 0, 60)])  # the loss test's compile
+    cfg = config(tmp_path, schedule__steps=2, logging__wandb_project="tokenmill-test")
+    train(cfg, source(model_cfg), [Phase("pretraining", 0, 60)])  # the loss test's compile
     assert [step for step, _ in logged[:2]] == [0, 1] and logged[-1] == "finished"
     row = logged[0][1]
     assert {"loss", "lr", "mfu", "router_bias_norm/layer0", "expert_load_max/layer1"} <= set(row)

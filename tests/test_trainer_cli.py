@@ -72,7 +72,7 @@ def test_train_on_a_mixture_from_the_command_line(tmp_path, capsys):
     assert [row["step"] for row in rows] == list(range(12))
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     config = json.loads((run / "config.json").read_text())
-    assert config["plan"]["tokenizer_sha256"] == "a" * 64 and config["train"]["batch_size"] == 8
+    assert config["plan"]["tokenizer_sha256"] == "a" * 64 and config["data"]["batch_size"] == 8
     assert (run / "checkpoints" / "12").is_dir()
     # Read through memory maps instead of direct reads: the same batches, so the same losses.
     mapped = tmp_path / "mapped"

@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent(
     from tokenmill.trainer.data import SyntheticSource
     from tokenmill.trainer.sharding import make_mesh, param_shardings
     from tokenmill.trainer import model
-    from tokenmill.trainer.train import Phase, TrainConfig, train
+    from tokenmill.trainer.run_config import RunConfig
+    from tokenmill.trainer.train import Phase, train
 
     assert jax.device_count() == 8, jax.devices()
     result = {}
@@ -34,8 +35,10 @@ SCRIPT = textwrap.dedent(
         for mesh in ("2,2,2", "1,1,1"):
             out = tempfile.mkdtemp()
             source = SyntheticSource(256, 32, 8, seed=0, active_vocab=64)
-            tcfg = TrainConfig(output=out, batch_size=8, mesh=mesh, peak_flops=1e9, warmup_steps=1)
-            rows = train(cfg, tcfg, source, [Phase("pretraining", 0, 3)])
+            sizes = dict(zip(("data", "fsdp", "expert"), map(int, mesh.split(","))))
+            run = RunConfig(output=out, model=cfg, data={"batch_size": 8}, mesh=sizes,
+                            logging={"peak_flops": 1e9}, schedule={"warmup_steps": 1})
+            rows = train(run, source, [Phase("pretraining", 0, 3)])
             result[f"{dispatch}/{mesh}"] = [[r["loss"], r["grad_norm"], r["drop_fraction"]] for r in rows]
     abstract = jax.eval_shape(lambda k: model.init_params(k, cfg), jax.random.key(0))
     shardings = param_shardings(abstract, make_mesh((2, 2, 2)))

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tokenmill.filters.url_filter import UrlFilter
 from tokenmill.pipelines import warc
-from tokenmill.pipelines.readers import InputFields, input_format, read_file
+from tokenmill.pipelines.readers import DuplicateIdError, InputFields, input_format, read_file
 from tokenmill.pipelines.warc import Undecodable, decode_html
 
 WARC_RECIPE = REPO / "configs" / "curate" / "warc.yaml"
@@ -493,3 +493,65 @@ def test_curate_reads_warc_with_the_network_blocked_and_balances(tmp_path):
     assert stats["kept"]["documents"] == 8  # the eight stories: distinct English prose
     assert {r["error_kind"] for r in rejected_rows(output)} == {"not_html", "redirect", "truncated_record"}
     assert stats["sources"]["crawl-00001.warc.gz"]["rejected"] == 1
+
+
+@pytest.mark.parametrize("name", ["big.warc", "big.warc.gz"])
+def test_a_record_over_max_record_bytes_is_stepped_over_and_the_rest_read(tmp_path, name):
+    filler = "".join(f"<p>{PARAGRAPHS[i % 6]} {i}</p>" for i in range(2000))  # about 400 kB of page
+    records = [
+        record("https://big.example/1", http(page(PARAGRAPHS[:2]).encode())),
+        record("https://big.example/huge", http(page(PARAGRAPHS[:2], extra_main=filler).encode())),
+        record("https://big.example/2", http(page(PARAGRAPHS[2:4]).encode())),
+    ]
+    path = write_warc(tmp_path / name, records)
+    records_read = list(read_file(str(path), FIELDS, max_record_bytes=100_000))
+    documents = [r for r in records_read if r["kind"] == "document"]
+    rejected = [r for r in records_read if r["kind"] == "rejected"]
+    assert [d["url"] for d in documents] == ["https://big.example/1", "https://big.example/2"]
+    assert [(r["error_kind"], r["line"]) for r in rejected] == [("record_too_large", 2)]
+    assert "max_record_bytes (100,000)" in rejected[0]["error"]
+    # The default limit (64 MiB) reads the same page.
+    assert len([r for r in read_file(str(path), FIELDS) if r["kind"] == "document"]) == 3
+
+
+def test_a_resync_over_megabytes_of_damage_holds_one_chunk(tmp_path, monkeypatch):
+    garbage = bytes(random.getrandbits(8) for _ in range(4096)).replace(b"\n", b" ") * 2500  # 10 MB
+    records = [
+        record("https://r.example/1", http(page(PARAGRAPHS[:2]).encode())),
+        b"WARC/1.0\r\nWARC-Type: response\r\n\r\n" + garbage + b"\r\n\r\n",  # no Content-Length: resync
+        record("https://r.example/2", http(page(PARAGRAPHS[2:4]).encode())),
+    ]
+    path = write_warc(tmp_path / "damaged.warc", records)
+    largest = []
+    fill = warc._Source._fill
+
+    def watched_fill(self):
+        result = fill(self)
+        largest.append(len(self.buffer))
+        return result
+
+    monkeypatch.setattr(warc._Source, "_fill", watched_fill)
+    documents, rejected = read(path)
+    assert [d["url"] for d in documents] == ["https://r.example/1", "https://r.example/2"]
+    assert [r["error_kind"] for r in rejected] == ["bad_record"]
+    assert rejected[0]["raw_truncated"] and f"{len(records[1]):,} bytes" in rejected[0]["error"]
+    assert max(largest) < 3 * warc.READ_CHUNK  # not the 10 MB of damage
+
+
+def test_sources_and_ids_are_relative_to_the_input_root_and_unique_per_file(tmp_path):
+    folder = tmp_path / "CC-MAIN-2024" / "segment-1"
+    folder.mkdir(parents=True)
+    path = write_warc(folder / "crawl.warc.gz", good_records())
+    documents = [r for r in read_file(str(path), FIELDS, str(tmp_path)) if r["kind"] == "document"]
+    assert [d["source"] for d in documents] == ["CC-MAIN-2024/segment-1/crawl.warc.gz"] * 2
+    assert documents[0]["id"] == (
+        "CC-MAIN-2024/segment-1/crawl.warc.gz:urn:uuid:00000000-0000-0000-0000-00000000000a"
+    )
+    same_id = "urn:uuid:00000000-0000-0000-0000-0000000000ff"
+    twice = [
+        record("https://d.example/1", http(page(PARAGRAPHS[:2]).encode()), record_id=same_id),
+        record("https://d.example/2", http(page(PARAGRAPHS[2:4]).encode()), record_id=same_id),
+    ]
+    path = write_warc(tmp_path / "twice.warc", twice)
+    with pytest.raises(DuplicateIdError, match=f"{same_id}.*record 1 and record 2"):
+        list(read_file(str(path), FIELDS))

@@ -13,6 +13,7 @@ import logging
 import sys
 
 from tokenmill import __version__
+from tokenmill.errors import UsageError
 
 # The order here is the order in `tokenmill --help`.
 COMMAND_MODULES = (
@@ -24,10 +25,6 @@ COMMAND_MODULES = (
     "tokenmill.trainer.commands",
     "tokenmill.reports.commands",
 )
-
-
-class UsageError(Exception):
-    """A problem with what the user asked for: printed as one line, exit status 2, no traceback."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.cli import UsageError
+from tokenmill.errors import UsageError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,7 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--input data/classifiers/domain.jsonl --output models/domain",
     )
     train.add_argument("--kind", choices=("quality", "domain"), required=True)
-    train.add_argument("--config", help="hyperparameters YAML (default: configs/classifiers/<kind>.yaml)")
+    train.add_argument(
+        "--config",
+        help="hyperparameters YAML (default: the bundled configs/classifiers/<kind>.yaml, which ships inside "
+        "the package)",
+    )
     train.add_argument("--input", required=True, help="labelled JSON Lines")
     train.add_argument("--output", required=True, help="model folder")
     train.add_argument(
@@ -31,10 +35,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from tokenmill.filters.classifiers import ClassifierError, load_config, train_classifier
-    from tokenmill.pipelines.options import project_root
+    from tokenmill.filters.classifiers import (
+        MODEL_FILE,
+        ClassifierError,
+        default_config,
+        load_config,
+        train_classifier,
+    )
+    from tokenmill.formats.cards import CALIBRATION, CARD
 
-    config_path = args.config or str(project_root() / "configs" / "classifiers" / f"{args.kind}.yaml")
+    config_path = args.config or default_config(args.kind)
     try:
         config = load_config(config_path)
         if config.kind != args.kind:
@@ -43,21 +53,18 @@ def run_train(args: argparse.Namespace) -> int:
     except ClassifierError as error:
         raise UsageError(str(error)) from None
     card = result.card
-    metrics = card["holdout_metrics"]
+    metrics = card.holdout_metrics
     print(
-        f"{card['name']} ({card['kind']}): {card['data']['train']:,} train / "
-        f"{card['data']['holdout']:,} held out; "
-        f"held-out accuracy {metrics['accuracy']:.3f}"
+        f"{card.name} ({card.kind}): {card.data.train:,} train / {card.data.holdout:,} held out; "
+        f"held-out accuracy {metrics.accuracy:.3f}"
     )
     print(f"  {'label':<16} {'precision':>9} {'recall':>7} {'support':>8}")
-    for label, entry in metrics["labels"].items():
-        print(f"  {label:<16} {entry['precision']:>9.3f} {entry['recall']:>7.3f} {entry['support']:>8,}")
-    if "calibration" in card:
-        print(
-            f"  calibration: {card['calibration']['documents']:,} documents, cuts for "
-            f"{', '.join(card['calibration']['domains'])}"
-        )
-    print(
-        f"wrote {args.output}/model.bin, model.json" + (", calibration.json" if "calibration" in card else "")
-    )
+    for label, entry in metrics.labels.items():
+        print(f"  {label:<16} {entry.precision:>9.3f} {entry.recall:>7.3f} {entry.support:>8,}")
+    calibration = card.calibration
+    if calibration is not None:
+        domains = ", ".join(calibration.domains)
+        print(f"  calibration: {calibration.documents:,} documents, cuts for {domains}")
+    written = [MODEL_FILE, CARD] + ([CALIBRATION] if calibration is not None else [])
+    print(f"wrote {args.output}/{', '.join(written)}")
     return 0

@@ -1,19 +1,22 @@
 """fastText classifiers that place documents in cells: a domain label and a quality bucket.
 
 Training (`tokenmill classifier train`) reads labelled JSON Lines, holds out a seeded split, trains a
-supervised fastText model with the hyperparameters of a config (configs/classifiers/*.yaml), prints
-precision and recall per label on the held-out split, and writes beside the model a card (labels, data
-hash, metrics, parameters). fastText trains with one thread: with more, its lock-free updates make the
-model depend on thread timing, and the same data must give the same model.
+supervised fastText model with the hyperparameters of a config (configs/classifiers/*.yaml; the bundled
+ones ship inside the package, `default_config`), prints precision and recall per label on the held-out
+split, and writes beside the model a card (labels, data hash, metrics, parameters) through
+`tokenmill.formats.cards`, which also reads the quality model's calibration back. fastText trains with
+one thread: with more, its lock-free updates make the model depend on thread timing, and the same data
+must give the same model.
 
 Quality is the probability of the config's positive label. Raw scores mean different things in different
 domains (code and prose do not score alike), so the quality model carries a calibration: on a calibration
 sample, per domain, the score's quintiles cut it into buckets 0..4, so that bucket 3 is "the fourth fifth
 of this domain" everywhere. Domains missing from the calibration use the cuts over all domains (`*`).
 
-In curate, both are DocumentSteps: the model is loaded once per worker (setup) and predicts a whole batch
-at a time; a recipe that names a missing or corrupt model, or one whose labels are not the recipe's
-domains, fails at load, before any pipeline starts.
+In curate, both are DocumentSteps: the model is loaded once per worker process (setup, through a
+`SharedModel` that every copy of the step shares; local or gs://) and predicts a whole batch at a time;
+a recipe that names a missing or corrupt model, or one whose labels are not the recipe's domains, fails
+at load, before any pipeline starts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import random
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +37,25 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill import storage
+from tokenmill.errors import FormatError
 from tokenmill.filters.base import DocumentStep, Removal
+from tokenmill.filters.models import SharedModel
+from tokenmill.formats.cards import (
+    ALL_DOMAINS,
+    CALIBRATION,
+    CARD,
+    Calibration,
+    CalibrationSummary,
+    ClassifierCard,
+    HoldoutMetrics,
+    TrainingData,
+    read_calibration,
+    write_calibration,
+    write_card,
+)
 
 LABEL_PREFIX = "__label__"
 MODEL_FILE = "model.bin"
-CARD_FILE = "model.json"
-CALIBRATION_FILE = "calibration.json"
-ALL_DOMAINS = "*"
 QUANTILES = (0.2, 0.4, 0.6, 0.8)
 
 
@@ -77,8 +94,17 @@ class ClassifierConfig(BaseModel):
     fasttext: FastTextParams = FastTextParams()
 
 
-def load_config(path: str | Path) -> ClassifierConfig:
-    path = Path(path)
+def default_config(kind: str) -> Traversable:
+    """The bundled hyperparameters of a `kind` classifier ("domain" or "quality"): configs/classifiers/
+    <kind>.yaml, shipped inside the package (src/tokenmill/configs/, a copy that a test keeps equal to
+    configs/), so that an installed tokenmill finds them without a checkout."""
+    return resources.files("tokenmill").joinpath("configs", "classifiers", f"{kind}.yaml")
+
+
+def load_config(path: str | Path | Traversable) -> ClassifierConfig:
+    """A classifier config: a file, or a packaged one (`default_config`)."""
+    if isinstance(path, str):
+        path = Path(path)
     if not path.is_file():
         raise ClassifierError(f"classifier config not found: {path}")
     try:
@@ -124,36 +150,21 @@ def read_labelled(path: str, text_field: str, label_field: str) -> list[tuple[st
     return examples
 
 
-def local_copy(path: str) -> str:
-    """A local path for `path`: remote models (gs://...) are copied once per process to a temporary file,
-    since fastText reads only local files."""
-    if storage.is_local(path):
-        return storage.local_path(path)
-    if path not in _LOCAL_COPIES:
-        if not storage.exists(path):
-            raise ClassifierError(f"fastText model not found: {path}")
-        handle, local = tempfile.mkstemp(suffix=os.path.basename(path))
-        with os.fdopen(handle, "wb") as target, storage.open_file(path, "rb") as source:
-            while chunk := source.read(1 << 20):
-                target.write(chunk)
-        _LOCAL_COPIES[path] = local
-    return _LOCAL_COPIES[path]
-
-
-_LOCAL_COPIES: dict[str, str] = {}
-
-
 def load_fasttext(path: str):
-    """Load a fastText model, with errors that name the file."""
+    """Load a fastText model from a local or remote (gs://...) path, with errors that name the file.
+
+    fastText reads only local files: a remote model is downloaded once per machine (storage.local_copy).
+    """
     import fasttext
 
-    original, path = path, local_copy(path)
-    if not os.path.isfile(path):
-        raise ClassifierError(f"fastText model not found: {original}")
     try:
-        return fasttext.load_model(path)
+        local = storage.local_copy(path)
+    except FileNotFoundError:
+        raise ClassifierError(f"fastText model not found: {path}") from None
+    try:
+        return fasttext.load_model(local)
     except Exception as error:
-        raise ClassifierError(f"{original}: not a readable fastText model ({error})") from None
+        raise ClassifierError(f"{path}: not a readable fastText model ({error})") from None
 
 
 def model_labels(model) -> list[str]:
@@ -220,7 +231,7 @@ def quality_bucket(score: float, cuts: list[float]) -> int:
 
 @dataclass
 class TrainResult:
-    card: dict
+    card: ClassifierCard
     output: str
 
 
@@ -263,32 +274,37 @@ def train_classifier(
     model.save_model(temporary)
     os.replace(temporary, os.path.join(output, MODEL_FILE))
 
-    card = {
-        "name": config.name,
-        "kind": config.kind,
-        "labels": labels,
-        "positive_label": config.positive_label,
-        "data": {
-            "path": input_path,
-            "sha256": storage.file_sha256(input_path),
-            "examples": len(examples),
-            "train": len(train),
-            "holdout": len(holdout),
-            "seed": config.seed,
-        },
-        "parameters": {**config.fasttext.model_dump(), "thread": 1, "max_chars": config.max_chars},
-        "holdout_metrics": metrics,
-        "model_sha256": storage.file_sha256(os.path.join(output, MODEL_FILE)),
-    }
+    # A domain card has no calibration field at all (not a null one): to_json writes only the fields set.
+    calibrated: dict[str, CalibrationSummary] = {}
     if config.kind == "quality":
         if not calibration_path:
             raise ClassifierError("a quality classifier needs --calibration (documents with their domain)")
-        card["calibration"] = calibrate(model, config, calibration_path, domain_model, output)
-    storage.write_json(os.path.join(output, CARD_FILE), card)
+        calibrated["calibration"] = calibrate(model, config, calibration_path, domain_model, output)
+    card = ClassifierCard(
+        name=config.name,
+        kind=config.kind,
+        labels=labels,
+        positive_label=config.positive_label,
+        data=TrainingData(
+            path=input_path,
+            sha256=storage.file_sha256(input_path),
+            examples=len(examples),
+            train=len(train),
+            holdout=len(holdout),
+            seed=config.seed,
+        ),
+        parameters={**config.fasttext.model_dump(), "thread": 1, "max_chars": config.max_chars},
+        holdout_metrics=HoldoutMetrics.model_validate(metrics),
+        model_sha256=storage.file_sha256(os.path.join(output, MODEL_FILE)),
+        **calibrated,
+    )
+    write_card(os.path.join(output, CARD), card)
     return TrainResult(card=card, output=output)
 
 
-def calibrate(model, config: ClassifierConfig, path: str, domain_model: str | None, output: str) -> dict:
+def calibrate(
+    model, config: ClassifierConfig, path: str, domain_model: str | None, output: str
+) -> CalibrationSummary:
     """Per-domain quintile cuts of the quality score, written to calibration.json; returns a summary."""
     texts, domains = [], []
     for _, record in read_records(path, config.text_field):
@@ -314,14 +330,14 @@ def calibrate(model, config: ClassifierConfig, path: str, domain_model: str | No
         mask = domains_array == domain
         if mask.sum() >= 25:  # fewer documents than that make quintiles noise; the global cuts serve
             cuts[domain] = quality_cuts(scores[mask])
-    calibration = {
-        "positive_label": config.positive_label,
-        "quantiles": list(QUANTILES),
-        "cuts": cuts,
-        "documents": {d: int((domains_array == d).sum()) for d in sorted(set(domains))},
-    }
-    storage.write_json(os.path.join(output, CALIBRATION_FILE), calibration)
-    return {"path": CALIBRATION_FILE, "domains": sorted(cuts), "documents": len(texts)}
+    calibration = Calibration(
+        positive_label=config.positive_label or "",
+        quantiles=list(QUANTILES),
+        cuts=cuts,
+        documents={d: int((domains_array == d).sum()) for d in sorted(set(domains))},
+    )
+    write_calibration(os.path.join(output, CALIBRATION), calibration)
+    return CalibrationSummary(path=CALIBRATION, domains=sorted(cuts), documents=len(texts))
 
 
 def _model_dir(model: str) -> str:
@@ -350,8 +366,10 @@ class DomainClassifier(DocumentStep):
         self.threshold = threshold
         self.other = other
         self.max_chars = max_chars
+        self._shared_model = SharedModel(load_fasttext, self.model_path)
         self._model = None
-        labels = model_labels(load_fasttext(self.model_path))  # fail now, before any pipeline starts
+        # Load now, so that a bad model fails before any pipeline starts (and in-process runs reuse it).
+        labels = model_labels(self._shared_model.get())
         if self.domains is not None:
             unknown = sorted(set(labels) - set(self.domains) - {other})
             missing = sorted(set(self.domains) - set(labels) - {other})
@@ -365,7 +383,10 @@ class DomainClassifier(DocumentStep):
         self.labels = labels
 
     def setup(self) -> None:
-        self._model = load_fasttext(self.model_path)
+        self._model = self._shared_model.get()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_model": None}  # a copy finds the model in its own process
 
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         if self._model is None:
@@ -394,26 +415,33 @@ class QualityClassifier(DocumentStep):
 
     def __init__(self, model: str, calibration: str | None = None, max_chars: int = 4000):
         self.model_path = _model_file(model)
-        self.calibration_path = calibration or storage.join(_model_dir(model), CALIBRATION_FILE)
+        self.calibration_path = calibration or storage.join(_model_dir(model), CALIBRATION)
         self.max_chars = max_chars
+        self._shared_model = SharedModel(load_fasttext, self.model_path)
         self._model = None
-        load_fasttext(self.model_path)
+        self._shared_model.get()  # fail now, before any pipeline starts
         if not storage.exists(self.calibration_path):
             raise ClassifierError(
                 f"quality calibration not found: {self.calibration_path} "
                 "(train with --calibration, or name calibration: in the recipe)"
             )
         try:
-            calibration = storage.read_json(self.calibration_path)
-            self.cuts = {domain: [float(c) for c in cuts] for domain, cuts in calibration["cuts"].items()}
-            self.positive_label = calibration["positive_label"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise ClassifierError(f"{self.calibration_path}: not a calibration file ({error})") from None
-        if ALL_DOMAINS not in self.cuts or any(len(cuts) != len(QUANTILES) for cuts in self.cuts.values()):
-            raise ClassifierError(f"{self.calibration_path}: needs {len(QUANTILES)} cuts per domain and '*'")
+            calibration = read_calibration(self.calibration_path)
+        except FormatError as error:
+            raise ClassifierError(f"not a calibration file: {error}") from None
+        if len(calibration.quantiles) != len(QUANTILES):
+            raise ClassifierError(
+                f"{self.calibration_path}: {len(calibration.quantiles)} quantiles, but the quality buckets "
+                f"0..{len(QUANTILES)} need {len(QUANTILES)} cuts per domain"
+            )
+        self.cuts = calibration.cuts
+        self.positive_label = calibration.positive_label
 
     def setup(self) -> None:
-        self._model = load_fasttext(self.model_path)
+        self._model = self._shared_model.get()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_model": None}  # a copy finds the model in its own process
 
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         if self._model is None:

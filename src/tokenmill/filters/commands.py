@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from tokenmill.cli import UsageError
+from tokenmill.errors import UsageError
+
+#: The layouts of tokenmill.filters.decontam.eval_sets (named here so that --help imports nothing).
+LAYOUT_NAMES = ("question-choices-answer", "prompt-completion", "passage-question")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,51 +32,67 @@ def _register_decontam(subparsers: argparse._SubParsersAction) -> None:
     commands = parser.add_subparsers(dest="decontam_command", metavar="ACTION")
     index = commands.add_parser(
         "index",
-        help="build the n-gram index of evaluation records",
+        help="build the index of evaluation records",
         description=(
-            "Read evaluation sets (JSON Lines, optionally .gz/.zst; one set per file, named after the file) "
-            "and write an index of the normalized word n-grams of each record's fields, with records "
-            "shorter than n words indexed whole. Every file is checked before anything is written: a bad "
-            "line fails the command with its file and line number. Nothing is downloaded."
+            "Read evaluation sets (JSON Lines or JSON, optionally .gz/.zst, or Parquet; a set per file, "
+            "or named: --evals NAME=GLOB) in the common benchmark layouts, and write an index of each "
+            "record's words and rare 4-word anchors (records under --long-words words: their whole "
+            "text). Every file is checked before anything is written: a bad record fails the command "
+            "naming its file and line or row. Nothing is downloaded."
         ),
-        epilog="example: tokenmill decontam index --evals 'evals/*.jsonl' --output decontam.index",
+        epilog="example: tokenmill decontam index --evals 'evals/*.jsonl' --evals mmlu='mmlu/test-*.parquet' "
+        "--output decontam.index",
     )
     index.add_argument(
         "--evals",
-        required=True,
         action="append",
-        metavar="PATH_OR_GLOB",
-        help="evaluation files: a path or glob, local or gs://...; repeatable",
+        default=[],
+        metavar="[NAME=]PATH_OR_GLOB",
+        help="evaluation files, local or gs://...: unnamed, a set per file named after the file; named, "
+        "one set of every file matched; repeatable",
+    )
+    index.add_argument(
+        "--sets",
+        metavar="YAML",
+        help="a file listing the sets: name, files, layout and field mapping of each (docs/decontam.md)",
     )
     index.add_argument("--output", required=True, help="the index file to write")
     index.add_argument(
         "--fields",
-        default="question,answer",
-        metavar="FIELD,FIELD",
-        help="fields whose text is matched, joined in this order (dotted paths into nested "
-        "objects; a trailing ? makes a field optional); default: question,answer",
+        default="auto",
+        metavar="LAYOUT|FIELD,FIELD",
+        help="how a record becomes text: auto (the layout read from the first record; default), a layout "
+        "(" + ", ".join(LAYOUT_NAMES) + "), LAYOUT:role=field,..., or fields joined in order (dotted "
+        "paths; a trailing ? makes a field optional)",
     )
     index.add_argument(
         "--set-fields",
         action="append",
         default=[],
-        metavar="SET=FIELD,FIELD",
-        help="fields for one evaluation set (the file name without extensions); repeatable",
+        metavar="SET=SPEC",
+        help="--fields for one evaluation set, e.g. hellaswag=question=ctx,choices=endings,answer=label; "
+        "repeatable",
     )
-    index.add_argument("--n", type=int, default=13, help="words per n-gram (default 13)")
+    index.add_argument(
+        "--long-words",
+        type=int,
+        default=13,
+        help="records of at least this many words are matched edit-tolerantly, shorter ones whole "
+        "(default 13)",
+    )
     index.add_argument(
         "--min-words",
         type=int,
         default=6,
-        help="records shorter than n words are matched whole if they have at least this many "
-        "words (default 6); shorter ones are skipped and counted",
+        help="shorter records are matched whole if they have at least this many words (default 6); "
+        "shorter ones are skipped and counted",
     )
     index.add_argument(
         "--template-records",
         type=int,
         default=10,
-        help="drop n-grams that this many distinct records of one set share: the set's prompt "
-        "template (default 10)",
+        help="a 4-word run that this many distinct records of one set share is the set's template or a "
+        "stock phrase: it neither finds nor counts towards an item (default 10)",
     )
     index.set_defaults(handler=run_decontam_index)
     info = commands.add_parser("info", help="print an index's header: sets, record counts, sizes")
@@ -89,7 +108,7 @@ def _parse_set_fields(values: list[str]):
     for value in values:
         name, sep, fields = value.partition("=")
         if not sep or not name.strip():
-            raise UsageError(f"--set-fields {value!r}: expected SET=FIELD,FIELD")
+            raise UsageError(f"--set-fields {value!r}: expected SET=SPEC")
         result[name.strip()] = FieldSpec.parse(fields)
     return result
 
@@ -99,16 +118,29 @@ def run_decontam_index(args: argparse.Namespace) -> int:
         DecontamError,
         FieldSpec,
         build_index,
-        expand_eval_paths,
+        eval_set_sources,
+        load_sets_file,
         read_eval_sets,
     )
 
     started = time.monotonic()
+    if not args.evals and not args.sets:
+        raise UsageError("name the evaluation sets: --evals PATH_OR_GLOB or --sets FILE")
     try:
-        paths = expand_eval_paths(args.evals)
-        eval_sets = read_eval_sets(paths, FieldSpec.parse(args.fields), _parse_set_fields(args.set_fields))
+        sources = load_sets_file(args.sets) if args.sets else []
+        sources += eval_set_sources(
+            args.evals, FieldSpec.parse(args.fields), _parse_set_fields(args.set_fields)
+        )
+        names = [source.name for source in sources]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise DecontamError(f"evaluation set named in --sets and --evals: {', '.join(twice)}")
+        eval_sets = read_eval_sets(sources)
         index = build_index(
-            eval_sets, n=args.n, min_words=args.min_words, template_records=args.template_records
+            eval_sets,
+            long_words=args.long_words,
+            min_words=args.min_words,
+            template_records=args.template_records,
         )
     except DecontamError as error:
         raise UsageError(str(error)) from None
@@ -133,16 +165,19 @@ def describe_index(header: dict, path: str) -> str:
     """A few lines about an index: its settings, then one line per evaluation set."""
     arrays = header.get("arrays", {})
     size = sum(entry["length"] * int(entry["dtype"][-1]) for entry in arrays.values())
+    anchors, words = (arrays.get(name, {}).get("length", 0) for name in ("anchor_hash", "words"))
     lines = [
-        f"{path}: format {header['format_version']}, n={header['n']}, {header['normalization']}, "
-        f"{header['records']:,} records, {arrays.get('ngram_hash', {}).get('length', 0):,} n-gram entries, "
-        f"{arrays.get('short_hash', {}).get('length', 0):,} short records, {size / 2**20:.1f} MiB of arrays",
+        f"{path}: format {header['format_version']}, {header['normalization']}, {header['records']:,} "
+        f"records (edit-tolerant from {header['long_words']} words, whole from {header['min_words']}), "
+        f"{anchors:,} anchors, {words:,} words, {size / 2**20:.1f} MiB of arrays",
     ]
     for entry in header["sets"]:
+        layout = f"layout {entry['layout']}, " if entry["layout"] else ""
         lines.append(
-            f"  {entry['name']}: {entry['records']:,} records ({entry['ngram_records']:,} by n-grams, "
-            f"{entry['short_records']:,} whole, {entry['too_short']:,} too short to match, "
-            f"{entry['duplicates']:,} duplicates, {entry['empty']:,} empty), {entry['ngrams']:,} n-grams, "
-            f"{entry['template_ngrams']:,} template n-grams dropped; fields {','.join(entry['fields'])}"
+            f"  {entry['name']}: {entry['records']:,} records in {len(entry['files'])} file(s) "
+            f"({entry['long_records']:,} long, {entry['short_records']:,} short, {entry['too_short']:,} too "
+            f"short to match, {entry['template_only']:,} only template, {entry['duplicates']:,} duplicates, "
+            f"{entry['empty']:,} empty), {entry['anchors']:,} anchors, {entry['template_anchors']:,} "
+            f"template anchors dropped; {layout}fields {','.join(entry['fields'])}"
         )
     return "\n".join(lines)

@@ -1,14 +1,28 @@
 """Offline language identification.
 
-Two backends, both local: py3langid (its model ships inside the wheel; the default) and a fastText
-language-id model given by path (for example lid.176.bin, which a deployment downloads once and names
-in its recipe; nothing here fetches it). Only the first `max_chars` characters are classified: the
-language of a page is settled long before its end, and the cost then stays flat per document.
+Two backends: py3langid (its model ships inside the wheel; the default) and a fastText language-id model
+given by a local or gs:// path (for example lid.176.bin, which a deployment stores once and names in its
+recipe; nothing here fetches it from the internet). Either model is loaded once per worker process (a
+`SharedModel`), and a remote one is downloaded once per machine. Only the first `max_chars` characters are
+classified: the language of a page is settled long before its end, and the cost then stays flat per
+document.
 """
 
 from __future__ import annotations
 
+from tokenmill import storage
 from tokenmill.filters.base import DocumentStep, Removal
+from tokenmill.filters.classifiers import load_fasttext
+from tokenmill.filters.models import SharedModel
+
+PY3LANGID_MODEL = "py3langid"  # the model inside the py3langid wheel
+
+
+def load_py3langid(_: str):
+    """py3langid's bundled model, with probabilities normalized to [0, 1]."""
+    from py3langid.langid import MODEL_FILE, LanguageIdentifier
+
+    return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
 
 
 class LanguageFilter(DocumentStep):
@@ -27,23 +41,25 @@ class LanguageFilter(DocumentStep):
         if backend not in ("py3langid", "fasttext"):
             raise ValueError(f"language backend must be py3langid or fasttext, not {backend!r}")
         if backend == "fasttext" and not model_path:
-            raise ValueError("language backend fasttext needs model_path (a local lid .bin file)")
+            raise ValueError("language backend fasttext needs model_path (a lid .bin file, local or gs://)")
+        if backend == "fasttext" and not storage.exists(model_path):
+            raise ValueError(f"language model_path not found: {model_path}")
         self.languages = set(languages) if languages else None
         self.min_score = min_score
         self.backend = backend
         self.model_path = model_path
         self.max_chars = max_chars
+        if backend == "py3langid":
+            self._shared_model = SharedModel(load_py3langid, PY3LANGID_MODEL)
+        else:
+            self._shared_model = SharedModel(load_fasttext, model_path)
         self._model = None
 
     def setup(self) -> None:
-        if self.backend == "py3langid":
-            from py3langid.langid import MODEL_FILE, LanguageIdentifier
+        self._model = self._shared_model.get()
 
-            self._model = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
-        else:
-            import fasttext
-
-            self._model = fasttext.load_model(self.model_path)
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_model": None}  # a copy finds the model in its own process
 
     def identify(self, texts: list[str]) -> list[tuple[str, float]]:
         if self._model is None:

@@ -2,7 +2,7 @@
 
     from tokenmill.mixtures import load_mixture, plan_mixture, load_counts
     plan = plan_mixture(load_mixture("mixtures/demo.yaml"), load_counts("out/demo/tokens/counts.json"))
-    plan.to_json()  # docs/formats.md, "Mixture plan"
+    plan.to_json()  # docs/formats.md, "Mixture plan" (a tokenmill.formats.plan.MixturePlan)
 
 Names are imported lazily, so that `tokenmill --help` (which imports the `commands` module of this
 package) does not pay for pydantic.
@@ -21,9 +21,9 @@ _EXPORTS = {
     "load_mixture": "tokenmill.mixtures.spec",
     "load_mixture_text": "tokenmill.mixtures.spec",
     "mixture_json_schema": "tokenmill.mixtures.spec",
-    "Plan": "tokenmill.mixtures.plan",
-    "PhasePlan": "tokenmill.mixtures.plan",
-    "SourcePlan": "tokenmill.mixtures.plan",
+    "MixturePlan": "tokenmill.formats.plan",
+    "PhasePlan": "tokenmill.formats.plan",
+    "SourcePlan": "tokenmill.formats.plan",
     "plan_mixture": "tokenmill.mixtures.plan",
     "load_counts": "tokenmill.mixtures.plan",
     "block_counts": "tokenmill.mixtures.plan",
@@ -34,9 +34,9 @@ __all__ = [
     "Issue",
     "Mixture",
     "MixtureError",
+    "MixturePlan",
     "MixtureSpec",
     "PhasePlan",
-    "Plan",
     "SourcePlan",
     "block_counts",
     "diff_plans",
@@ -49,9 +49,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from tokenmill.formats.plan import MixturePlan, PhasePlan, SourcePlan
     from tokenmill.mixtures.diff import diff_plans
     from tokenmill.mixtures.errors import Issue, MixtureError
-    from tokenmill.mixtures.plan import PhasePlan, Plan, SourcePlan, block_counts, load_counts, plan_mixture
+    from tokenmill.mixtures.plan import block_counts, load_counts, plan_mixture
     from tokenmill.mixtures.selectors import parse_selector
     from tokenmill.mixtures.spec import (
         Mixture,

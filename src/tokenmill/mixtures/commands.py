@@ -14,10 +14,11 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.cli import UsageError
+from tokenmill.errors import UsageError
 
 if TYPE_CHECKING:
-    from tokenmill.mixtures.plan import Plan
+    from tokenmill.formats.plan import MixturePlan
+    from tokenmill.formats.tokens import TokenCounts
     from tokenmill.mixtures.spec import Mixture
 
 
@@ -122,7 +123,7 @@ def _load(arg: str) -> Mixture:
         raise _usage(error) from None
 
 
-def _counts(mixture: Mixture, path: str | None) -> tuple[dict[str, Any] | None, str | None]:
+def _counts(mixture: Mixture, path: str | None) -> tuple[TokenCounts | None, str | None]:
     """The counts to plan against and where they came from: --counts, else the spec's counts: file."""
     from tokenmill.mixtures.errors import MixtureError
     from tokenmill.mixtures.plan import load_counts
@@ -138,7 +139,7 @@ def _counts(mixture: Mixture, path: str | None) -> tuple[dict[str, Any] | None, 
         raise _usage(error) from None
 
 
-def _plan(mixture: Mixture, counts_arg: str | None) -> tuple[Plan, str | None]:
+def _plan(mixture: Mixture, counts_arg: str | None) -> tuple[MixturePlan, str | None]:
     from tokenmill.mixtures.errors import MixtureError, NeedsCounts
     from tokenmill.mixtures.plan import plan_mixture
 
@@ -244,7 +245,7 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list
     return lines
 
 
-def render_plan(plan: Plan, counts_file: str | None = None) -> str:
+def render_plan(plan: MixturePlan, counts_file: str | None = None) -> str:
     """The plan as text: a header, one table per phase, then the run totals per source."""
     asked = "budgeted (phase shares and epochs refer to it)" if plan.total_steps_given else "asked"
     lines = [
@@ -261,9 +262,9 @@ def render_plan(plan: Plan, counts_file: str | None = None) -> str:
         lines.append(f"from {source['repository']} {source['path']} at {source['commit']}")
     if plan.slice:
         lines.append(
-            f"slice of {plan.slice['of']} ({_fc(plan.slice['of_total_tokens'])} tokens): "
+            f"slice of {plan.slice.of} ({_fc(plan.slice.of_total_tokens)} tokens): "
             "each source scaled to "
-            f"{plan.slice['fraction']:.4%} of its tokens, so it repeats as often as in the full run"
+            f"{plan.slice.fraction:.4%} of its tokens, so it repeats as often as in the full run"
         )
     for phase in plan.phases:
         lines.append("")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.mixtures.plan import Plan
+from tokenmill.formats.plan import MixturePlan
 
 RUN_FIELDS = (
     "tokenizer",
@@ -52,7 +52,7 @@ def _union(a: list[str], b: list[str]) -> list[str]:
     return list(dict.fromkeys([*a, *b]))
 
 
-def diff_plans(a: Plan, b: Plan) -> dict[str, Any]:
+def diff_plans(a: MixturePlan, b: MixturePlan) -> dict[str, Any]:
     """The differences from plan a to plan b, as a JSON-ready dict; unchanged entries are left out.
 
     Shape: {"a", "b", "fields": {field: [a, b]}, "phases": [{"name", "status", "changes": {...},

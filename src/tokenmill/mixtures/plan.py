@@ -31,20 +31,22 @@ How the numbers are made (docs/mixtures.md says the same for users):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from tokenmill.cells import parse_cell
+from tokenmill.errors import FormatError
+from tokenmill.formats import plan as plan_format
+from tokenmill.formats.plan import MixturePlan, PhasePlan, SourcePlan, SourceTotal
+from tokenmill.formats.tokens import TokenCounts, counts_from_json, read_counts
 from tokenmill.mixtures.errors import Issue, MixtureError, NeedsCounts, format_path
-from tokenmill.mixtures.spec import Mixture, Phase, Source
+from tokenmill.mixtures.spec import Mixture, MixturePhase, Source
 from tokenmill.units import format_count
 
-PLAN_FORMAT_VERSION = 1
 # A realized weight this far (relative) from the asked one means the block is too small for the weight.
 WEIGHT_DEVIATION_WARNING = 0.10
 
@@ -105,159 +107,29 @@ def _water_fill(
     return counts, left
 
 
-@dataclass
-class SourcePlan:
-    """One source in one phase."""
-
-    name: str
-    cells: list[str]
-    weight: float  # realized: block_sequences / block_size
-    tokens: int
-    tokens_available: int
-    epochs: float  # this phase's tokens / tokens_available
-    weight_requested: float
-    block_sequences: int
-    selectors: list[str]
-    max_epochs: float
-
-
-@dataclass
-class PhasePlan:
-    name: str
-    tokens: int
-    steps: int
-    start_step: int
-    end_step: int  # exclusive: the next phase starts here
-    tokens_requested: int
-    blocks: int  # whole blocks
-    sources: list[SourcePlan] = field(default_factory=list)
-    partial_block_sequences: int = 0  # sequences of a last, partial block (total_steps off a block boundary)
-
-    def source(self, name: str) -> SourcePlan:
-        return next(source for source in self.sources if source.name == name)
-
-
-@dataclass
-class SourceTotal:
-    """One source over the whole run."""
-
-    name: str
-    cells: list[str]
-    selectors: list[str]
-    tokens_available: int
-    tokens: int
-    epochs: float
-    max_epochs: float
-    tokens_from: str  # "counts" (tokens/counts.json) or "declared"
-    tokens_available_full: int  # before slicing; equals tokens_available outside a slice
-
-
-@dataclass
-class Plan:
-    """The resolved plan; `to_json()` is the docs/formats.md "Mixture plan" document."""
-
-    name: str
-    tokenizer: str
-    total_tokens: int
-    sequence_length: int
-    batch_size: int
-    block_size: int
-    tokens_per_step: int
-    phases: list[PhasePlan]
-    total_steps: int
-    planned_tokens: int
-    block_steps: int
-    shortfall: str
-    tokens_from: str  # "counts.json" or "declared"
-    illustrative: bool
-    slice: dict[str, Any] | None
-    sources: dict[str, SourceTotal]
-    cells: dict[str, dict[str, Any]]
-    warnings: list[str]
-    description: str | None = None
-    tokenizer_sha256: str | None = None  # from counts.json, when planned against it
-    total_steps_given: bool = False  # the spec gave total_steps: total_tokens is the budget, not the run
-    provenance: dict[str, str] | None = None
-
-    def phase(self, name: str) -> PhasePlan:
-        return next(phase for phase in self.phases if phase.name == name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The same as to_json(): a JSON-ready dict (callers probe for either name)."""
-        return self.to_json()
-
-    def to_json(self) -> dict[str, Any]:
-        """The plan as a JSON-ready dict, the docs/formats.md "Mixture plan" document."""
-        return {
-            "format_version": PLAN_FORMAT_VERSION,
-            "name": self.name,
-            "description": self.description,
-            "tokenizer": self.tokenizer,
-            "tokenizer_sha256": self.tokenizer_sha256,
-            "total_tokens": self.total_tokens,
-            "sequence_length": self.sequence_length,
-            "batch_size": self.batch_size,
-            "block_size": self.block_size,
-            "tokens_per_step": self.tokens_per_step,
-            "total_steps": self.total_steps,
-            "total_steps_given": self.total_steps_given,
-            "planned_tokens": self.planned_tokens,
-            "block_steps": self.block_steps,
-            "shortfall": self.shortfall,
-            "tokens_from": self.tokens_from,
-            "illustrative": self.illustrative,
-            "slice": self.slice,
-            "phases": [asdict(phase) for phase in self.phases],
-            "sources": {name: asdict(total) for name, total in self.sources.items()},
-            "cells": self.cells,
-            "warnings": list(self.warnings),
-            "provenance": self.provenance,
-        }
-
-
-# ---------------------------------------------------------------------------------------------------------
-# counts.json
-
-
-def load_counts(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read tokens/counts.json; MixtureError if it is missing or not JSON."""
+def load_counts(path: str | os.PathLike[str]) -> TokenCounts:
+    """tokens/counts.json to plan against; MixtureError if it is missing or breaks the format."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+        return read_counts(path)
     except FileNotFoundError:
         raise MixtureError(f"no such counts file: {path}", file=path) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except OSError as error:
         raise MixtureError(f"cannot read counts {path}: {error}", file=path) from None
-    _catalog(data, [])  # validate now, so that the error names the file
-    return data
+    except FormatError as error:
+        raise MixtureError(str(error), file=path) from None
 
 
-def _catalog(counts: Mapping[str, Any], warnings: list[str]) -> dict[str, int]:
-    """counts.json -> {cell: tokens}; MixtureError on a malformed catalog."""
-
-    def bad(path: str, message: str) -> MixtureError:
-        return MixtureError([Issue(f"counts.json: {path}" if path else "counts.json", message)])
-
-    if not isinstance(counts, Mapping):
-        raise bad("", "expected a JSON object")
-    version = counts.get("format_version", 1)
-    if version != 1:
-        raise bad("format_version", f"unsupported version {version!r} (this planner reads 1)")
-    cells = counts.get("cells")
-    if not isinstance(cells, Mapping):
-        raise bad("cells", "expected an object of cell -> {tokens: ...}")
+def _catalog(counts: TokenCounts, warnings: list[str]) -> dict[str, int]:
+    """counts.json -> {cell: tokens}; a cell whose name is not a cell is left out, with a warning."""
     catalog: dict[str, int] = {}
-    for name, entry in cells.items():
-        tokens = entry.get("tokens") if isinstance(entry, Mapping) else None
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise bad(f"cells.{name}.tokens", f"expected a whole number >= 0, got {tokens!r}")
+    for name, entry in counts.cells.items():
         try:
             parse_cell(name)
         except ValueError as error:
             warnings.append(f"counts.json: cells.{name}: ignored: {error}")
             continue
-        catalog[name] = tokens
+        catalog[name] = entry.tokens
     return catalog
 
 
@@ -276,21 +148,25 @@ class _Resolved:
     empty_reason: str = ""
 
 
-def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> Plan:
-    """Plan a mixture against parsed tokens/counts.json (or, with None, the spec's declared counts).
+def plan_mixture(mixture: Mixture, counts: TokenCounts | Mapping[str, Any] | None = None) -> MixturePlan:
+    """Plan a mixture against tokens/counts.json (`tokenmill.formats.tokens.read_counts`, or the same as a
+    dict) or, with None, against the spec's declared counts.
 
     Raises MixtureError, pointing at the spec's lines, when the plan cannot be made: a phase too small
-    for one block, a source with no tokens, a source over its max_epochs (with the numbers).
+    for one block, a source with no tokens, a source over its max_epochs (with the numbers); and for a
+    catalog that breaks the format, naming the field.
     """
     warnings: list[str] = []
+    if counts is not None and not isinstance(counts, TokenCounts):
+        try:
+            counts = counts_from_json(counts)
+        except FormatError as error:
+            raise MixtureError(str(error)) from None
     catalog = _catalog(counts, warnings) if counts is not None else None
     tokenizer_sha256 = None
-    if catalog is not None:
-        counts_tokenizer_info = (counts or {}).get("tokenizer", {})
-        if not isinstance(counts_tokenizer_info, Mapping):
-            counts_tokenizer_info = {}
-        counts_tokenizer = counts_tokenizer_info.get("name")
-        tokenizer_sha256 = counts_tokenizer_info.get("sha256") or None
+    if counts is not None:
+        counts_tokenizer = counts.tokenizer.name if counts.tokenizer else None
+        tokenizer_sha256 = (counts.tokenizer.sha256 if counts.tokenizer else None) or None
         if counts_tokenizer and mixture.tokenizer and counts_tokenizer != mixture.tokenizer:
             warnings.append(
                 f"tokenizer: the mixture names {mixture.tokenizer!r} but counts.json was made with "
@@ -429,14 +305,15 @@ def plan_mixture(mixture: Mixture, counts: Mapping[str, Any] | None = None) -> P
     }
     slice_info = None
     if mixture.slice is not None:
-        slice_info = {
-            "of": mixture.slice.of,
-            "file": mixture.slice.path,
-            "fraction": float(mixture.slice.fraction),
-            "of_total_tokens": mixture.slice.of_total_tokens,
-        }
+        slice_info = plan_format.PlanSlice(
+            of=mixture.slice.of,
+            file=mixture.slice.path,
+            fraction=float(mixture.slice.fraction),
+            of_total_tokens=mixture.slice.of_total_tokens,
+        )
     total_steps = ends[-1]
-    return Plan(
+    return MixturePlan(
+        format_version=plan_format.FORMAT_VERSION,
         name=mixture.name,
         description=mixture.description,
         tokenizer=mixture.tokenizer,
@@ -586,7 +463,7 @@ def _over_cap(
     return issues
 
 
-def _overlaps(phase: Phase, resolved: dict[str, _Resolved]) -> list[str]:
+def _overlaps(phase: MixturePhase, resolved: dict[str, _Resolved]) -> list[str]:
     owners: dict[str, list[str]] = {}
     for name, weight in phase.weights.items():
         if weight > 0:

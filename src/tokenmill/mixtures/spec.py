@@ -40,7 +40,6 @@ COUNT_PATTERN = r"^\s*[0-9][0-9_]*(\.[0-9_]+)?([eE][+-]?[0-9]+)?\s*[KMBGTPkmbgtp
 WEIGHT_SUM_TOLERANCE = 1e-6
 SHARE_SUM_TOLERANCE = 1e-9
 DEFAULT_MAX_EPOCHS = 1.0
-SHORTFALL_POLICIES = ("error", "redistribute")
 
 
 def _count(value: Any) -> int:
@@ -251,7 +250,9 @@ class Source:
 
 
 @dataclass
-class Phase:
+class MixturePhase:
+    """A phase as the spec asks for it: a token budget and source weights (the plan rounds it to steps)."""
+
     name: str
     budget: Fraction  # tokens asked for, before rounding to whole blocks
     weights: dict[str, Fraction]  # source name -> weight, normalized to sum 1, spec order, zeros kept
@@ -282,7 +283,7 @@ class Mixture:
     max_epochs: float
     shortfall: str
     sources: dict[str, Source]
-    phases: list[Phase]
+    phases: list[MixturePhase]
     illustrative: bool = False
     slice: SliceInfo | None = None
     counts_path: str | None = None
@@ -381,7 +382,21 @@ def load_mixture_text(
 ) -> Mixture:
     """Validate a spec given as text. `read(path)` fetches a slice's parent (default: from disk)."""
     data, lines = load_yaml(text, file)
-    spec = _validate(data, lines)
+    return _resolve(_validate(data, lines), data, lines, file, read)
+
+
+def mixture_from_spec(
+    spec: MixtureSpec, file: str | None = None, read: Callable[[str], str] | None = None
+) -> Mixture:
+    """Validate a spec built in code (a ladder rung's slice) as `load_mixture_text` validates a file's,
+    without YAML text in between. `file`: where the spec is (or would be) written; its slice_of and
+    counts paths are relative to it."""
+    return _resolve(spec, spec.model_dump(exclude_none=True), Lines(file), file, read)
+
+
+def _resolve(
+    spec: MixtureSpec, data: dict[str, Any], lines: Lines, file: str | None, read: Callable[[str], str] | None
+) -> Mixture:
     if spec.slice_of is not None:
         return _resolve_slice(spec, data, lines, file, read or _read_file)
     missing = [name for name in FULL_REQUIRED if getattr(spec, name) is None]
@@ -446,7 +461,7 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
             where=where(path),
         )
 
-    phases: list[Phase] = []
+    phases: list[MixturePhase] = []
     seen_phases: dict[str, int] = {}
     assert spec.phases is not None
     for index, phase_spec in enumerate(spec.phases):
@@ -515,7 +530,7 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
                 )
             )
         weights = {key: value / total for key, value in raw.items()} if total else raw
-        phases.append(Phase(phase_spec.name, budget, weights, where(path), weight_where))
+        phases.append(MixturePhase(phase_spec.name, budget, weights, where(path), weight_where))
 
     issues.extend(_check_budgets(spec, phases, lines, total_tokens))
     if issues:
@@ -548,7 +563,9 @@ def _provenance(spec: MixtureSpec) -> dict[str, str] | None:
     return {key: value for key, value in spec.provenance.model_dump().items() if value is not None}
 
 
-def _check_budgets(spec: MixtureSpec, phases: list[Phase], lines: Lines, total_tokens: int) -> list[Issue]:
+def _check_budgets(
+    spec: MixtureSpec, phases: list[MixturePhase], lines: Lines, total_tokens: int
+) -> list[Issue]:
     assert spec.phases is not None
     total = sum((phase.budget for phase in phases), Fraction(0))
     if all(p.share is not None for p in spec.phases) and all(p.tokens is None for p in spec.phases):
@@ -624,7 +641,9 @@ def _resolve_slice(
     else:
         block_size = batch_size
     phases = [
-        Phase(phase.name, phase.budget * fraction, dict(phase.weights), phase.where, dict(phase.weight_where))
+        MixturePhase(
+            phase.name, phase.budget * fraction, dict(phase.weights), phase.where, dict(phase.weight_where)
+        )
         for phase in parent.phases
     ]
     return Mixture(

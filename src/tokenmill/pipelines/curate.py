@@ -10,18 +10,17 @@ why), or rejected/ (input that is not a document). stats.json counts what was re
 where it went, so `balanced` proves the invariant rather than restating it.
 
 Output is a function of the input and the recipe alone: files are sharded by a stable hash of the
-document id and sorted within, so reruns give the same bytes. A rerun first removes the previous
-output of this command (curated/, removed/, rejected/, stats.json) and writes stats.json last, so a
-killed run, run again, ends exactly like a run that was never stopped.
+document id and sorted within, so reruns give the same bytes. An output folder that holds an earlier
+run is refused unless `--overwrite`, which first removes the previous output of this command
+(curated/, removed/, rejected/, stats.json) on any filesystem; stats.json is written last, so a
+killed run, run again with --overwrite, ends exactly like a run that was never stopped.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections import defaultdict
@@ -32,22 +31,20 @@ import apache_beam as beam
 
 from tokenmill import storage
 from tokenmill.cells import cell_name
-from tokenmill.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
 from tokenmill.filters.base import DocumentStep, sum_numbers
-from tokenmill.pipelines.readers import InputFields, read_file
+from tokenmill.formats import stats as stats_format
+from tokenmill.formats.base import parse
+from tokenmill.formats.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
+from tokenmill.formats.rejected import write_rejected
+from tokenmill.formats.stats import STATS, CurateStats
+from tokenmill.pipelines.readers import DEFAULT_MAX_RECORD_BYTES, InputFields, common_file_root, read_file
 from tokenmill.pipelines.recipe import GroupingStep, Recipe, build_steps
-from tokenmill.pipelines.sinks import WritePartitioned, write_jsonl_zst, write_parquet
+from tokenmill.pipelines.sinks import WritePartitioned, write_parquet
 
 log = logging.getLogger(__name__)
 
-OUTPUT_PARTS = ("curated", "removed", "rejected", "stats.json")
-STATS_FORMAT_VERSION = 1
+OUTPUT_PARTS = ("curated", "removed", "rejected", STATS)
 _PATH_UNSAFE = str.maketrans({c: "_" for c in '/\\=:*?"<>| '})
-
-
-def text_hash(text: str) -> str:
-    """The 128-bit exact-duplicate key of a normalized text."""
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def estimated_tokens(n_chars: int | None, chars_per_token: float) -> int:
@@ -78,10 +75,24 @@ class Progress:
 
 
 class ReadFile(beam.DoFn):
-    """One input file -> documents (main output) and rejected records ('rejected')."""
+    """One input file -> documents (main output) and rejected records ('rejected').
 
-    def __init__(self, fields: InputFields):
+    Sources and ids are named relative to `root` (readers.relative_source). Memory per worker thread:
+    one read chunk, one record of at most `max_record_bytes` (longer ones are rejected unread) and the
+    ids of the file being read (readers.IdLedger), whatever the file's size; no shuffle. Storage errors
+    propagate, so the runner retries the file (its earlier outputs are discarded with the failed
+    bundle); a file that keeps failing fails the job instead of losing documents.
+    """
+
+    def __init__(
+        self,
+        fields: InputFields,
+        root: str | None = None,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    ):
         self.fields = fields
+        self.root = root
+        self.max_record_bytes = max_record_bytes
         self.read_counter = beam.metrics.Metrics.counter("tokenmill", "documents_read")
         self.rejected_counter = beam.metrics.Metrics.counter("tokenmill", "documents_rejected")
 
@@ -89,7 +100,7 @@ class ReadFile(beam.DoFn):
         self.progress = Progress("records read")
 
     def process(self, path: str):
-        for record in read_file(path, self.fields):
+        for record in read_file(path, self.fields, self.root, self.max_record_bytes):
             self.read_counter.inc()
             self.progress.add(1)
             if record.pop("kind") == "rejected":
@@ -138,37 +149,6 @@ class ApplyStep(beam.DoFn):
             yield kept
 
 
-def _keep_first_copy(element: tuple[str, Iterable[dict]]):
-    """Of documents with the same text, keep the one with the smallest id (any order of arrival)."""
-    _, copies = element
-    copies = sorted(copies, key=lambda document: document["id"])
-    kept = copies[0]
-    yield kept
-    for copy in copies[1:]:
-        yield beam.pvalue.TaggedOutput(
-            "removed",
-            {
-                **copy,
-                "stage": "exact_dedupe",
-                "reason": "exact_duplicate",
-                "detail": json.dumps({"kept_id": kept["id"]}, sort_keys=True),
-            },
-        )
-
-
-class ExactDedupe(beam.PTransform):
-    """Group documents by a 128-bit hash of their normalized text; keep one copy per group."""
-
-    def expand(self, documents):
-        result = (
-            documents
-            | "KeyByTextHash" >> beam.Map(lambda document: (text_hash(document["text"]), document))
-            | "GroupByText" >> beam.GroupByKey()
-            | "KeepFirstCopy" >> beam.FlatMap(_keep_first_copy).with_outputs("removed", main="kept")
-        )
-        return {"kept": result.kept, "removed": result.removed}
-
-
 def _fill_cell(document: dict, domain: str, quality: int) -> dict:
     document.setdefault("domain", domain)
     document.setdefault("quality", quality)
@@ -177,6 +157,16 @@ def _fill_cell(document: dict, domain: str, quality: int) -> dict:
 
 def _row(document: dict, schema) -> dict:
     return {name: document.get(name) for name in schema.names}
+
+
+def _removed_row(document: dict, keep_text: bool) -> dict:
+    """A removed/ row; without its text (recipe `removed_text: false`) it still says how long it was."""
+    row = _row(document, REMOVED_SCHEMA)
+    if not keep_text:
+        if row["n_chars"] is None:
+            row["n_chars"] = len(row["text"] or "")
+        row["text"] = None
+    return row
 
 
 def _safe(part: str) -> str:
@@ -216,10 +206,21 @@ class CurateRun:
     recipe_path: str
     inputs: list[str]
     output: str
+    #: The folder that sources and ids are named relative to: readers.input_root of the --input patterns
+    #: (None: the common folder of `inputs`).
+    input_root: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.input_root is None:
+            self.input_root = common_file_root(self.inputs)
 
 
-def build_stats(entries: list, run: CurateRun) -> dict:
-    """stats.json from the combined counts (docs/formats.md, "stats.json")."""
+def build_stats(
+    entries: list, run: CurateRun, files: Iterable[tuple[str, int]], stage_stats: Iterable[tuple[str, dict]]
+) -> CurateStats:
+    """stats.json from the combined counts, the files written and the stages' own statistics
+    (docs/formats.md, "stats.json")."""
+    from tokenmill.pipelines.readers import relative_source
 
     def triple(documents=0, characters=0, tokens=0):
         return {"documents": documents, "characters": characters, "tokens_estimated": tokens}
@@ -265,11 +266,13 @@ def build_stats(entries: list, run: CurateRun) -> dict:
         for later in stage_names[position + 1 :]:
             _add(left, by_stage[later])
         funnel.append({"stage": stage, "removed_documents": by_stage[stage][0], **triple(*left)})
-    return {
-        "format_version": STATS_FORMAT_VERSION,
+    stats = {
+        "format_version": stats_format.FORMAT_VERSION,
         "recipe": run.recipe_path,
         "recipe_name": run.recipe.name,
-        "inputs": run.inputs,
+        # Relative to the input root, like `sources`: the same files give the same stats.json wherever
+        # they are (a local folder or a gs:// prefix).
+        "inputs": [relative_source(path, run.input_root) for path in run.inputs],
         "chars_per_token": run.recipe.chars_per_token,
         "read": triple(read_documents, read[1], read[2]),
         "kept": triple(*kept),
@@ -286,7 +289,10 @@ def build_stats(entries: list, run: CurateRun) -> dict:
         },
         "cells": {cell: triple(*counts) for cell, counts in sorted(cells.items())},
         "sources": dict(sorted(sources.items())),
+        "stages": dict(sorted(stage_stats)),
+        "files": dict(sorted(files)),
     }
+    return parse(CurateStats, stats, storage.join(run.output, STATS))
 
 
 def merge_numbers(values: Iterable[dict]) -> dict:
@@ -304,10 +310,8 @@ class WriteStats(beam.DoFn):
         self.run = run
 
     def process(self, entries, files, stage_stats):
-        stats = build_stats(sorted(entries), self.run)
-        stats["stages"] = dict(sorted(stage_stats))
-        stats["files"] = dict(sorted(files))
-        storage.write_json(storage.join(self.run.output, "stats.json"), stats)
+        stats = build_stats(sorted(entries), self.run, files, stage_stats)
+        stats_format.write_stats(storage.join(self.run.output, STATS), stats)
         yield stats
 
 
@@ -321,7 +325,10 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         pipeline
         | "Inputs" >> beam.Create(run.inputs)
         | "SpreadFiles" >> beam.Reshuffle()
-        | "Read" >> beam.ParDo(ReadFile(recipe.input_fields)).with_outputs("rejected", main="documents")
+        | "Read"
+        >> beam.ParDo(ReadFile(recipe.input_fields, run.input_root, recipe.max_record_bytes)).with_outputs(
+            "rejected", main="documents"
+        )
     )
     documents = read.documents | "SpreadDocuments" >> beam.Reshuffle()
     read_stats = documents | "CountRead" >> beam.FlatMap(_read_entries, chars_per_token)
@@ -361,11 +368,11 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
 
     target = recipe.target_file_bytes
 
-    def write_documents(documents, key_label: str, write_label: str, partition, schema):
+    def write_documents(documents, key_label: str, write_label: str, partition, schema, to_row):
         """Documents as rows of `schema` in Parquet files under the folder `partition(document)` names."""
         return (
             documents
-            | key_label >> beam.Map(lambda d: (partition(d), _row(d, schema)))
+            | key_label >> beam.Map(lambda d: (partition(d), to_row(d)))
             | write_label
             >> WritePartitioned(
                 run.output,
@@ -383,6 +390,7 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         "WriteCurated",
         lambda d: f"curated/{cell_name(d['domain'], int(d['quality']))}",
         DOCUMENT_SCHEMA,
+        lambda d: _row(d, DOCUMENT_SCHEMA),
     )
     removed_files = write_documents(
         removed,
@@ -390,6 +398,7 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         "WriteRemoved",
         lambda d: f"removed/stage={_safe(d['stage'])}/reason={_safe(d['reason'])}",
         REMOVED_SCHEMA,
+        lambda d: _removed_row(d, recipe.removed_text),
     )
     rejected_files = (
         rejected
@@ -398,7 +407,7 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         >> WritePartitioned(
             run.output,
             ".jsonl.zst",
-            write_jsonl_zst,
+            write_rejected,
             lambda r: f"{r['file']}\x00{r['line'] or 0:012d}\x00{r['offset'] or 0:015d}",
             lambda r: len(r.get("raw") or r.get("raw_base64") or "") + 256,
             target,
@@ -450,20 +459,18 @@ def stage_seconds(result) -> dict[str, float]:
 
 
 def clear_previous_output(output: str) -> None:
-    """Remove what an earlier curate run wrote here (and nothing else), stats.json first."""
-    if not storage.is_local(output):
-        import fsspec
+    """Remove what an earlier curate run wrote here (and nothing else), on any filesystem.
 
-        fs, root = fsspec.core.url_to_fs(output)
-        for part in ("stats.json", *OUTPUT_PARTS[:3]):
-            target = f"{root.rstrip('/')}/{part}"
-            if fs.exists(target):
-                fs.rm(target, recursive=True)
-        return
-    root = storage.local_path(output)
-    stats = os.path.join(root, "stats.json")
-    if os.path.exists(stats):
-        os.remove(stats)
-    for part in OUTPUT_PARTS[:3]:
-        shutil.rmtree(os.path.join(root, part), ignore_errors=True)
-    storage.remove_temporaries(root)
+    stats.json goes first: it marks a finished run, so a clearing cut short never leaves a folder that
+    looks finished. Then curated/, removed/ and rejected/ (with any temporaries of killed writers in
+    them), and temporaries left at the top by a killed stats.json write.
+    """
+    storage.remove_file(storage.join(output, STATS))
+    for part in OUTPUT_PARTS:
+        if part != STATS:
+            storage.remove_tree(storage.join(output, part))
+    if storage.is_local(output) and os.path.isdir(storage.local_path(output)):
+        root = storage.local_path(output)
+        for name in os.listdir(root):
+            if name.startswith(storage.TEMPORARY_PREFIX) and os.path.isfile(os.path.join(root, name)):
+                os.remove(os.path.join(root, name))

@@ -1,56 +1,100 @@
-"""`fuzzy_dedupe`: near-duplicate removal with MinHash LSH, as Beam transforms that scale like exact dedupe.
+"""`fuzzy_dedupe`: near-duplicate removal with MinHash LSH, as Beam transforms without hot keys.
 
 A grouping stage of the curate recipe (see tokenmill.pipelines.recipe). Nothing is gathered on one
-machine: every step below is a Beam transform keyed by a band bucket, a document id or a component.
+machine, and only ids and band keys move until the one join with the documents:
 
-    documents -> MinHash signature -> 14 band keys per document        (tokenmill.filters.minhash)
-      -> GroupByKey per band bucket -> star edges (member -> smallest id in the bucket), distinct
-      -> connected components: large-star / small-star rounds, unrolled up to `max_rounds`
-      -> star check: every node points at its component's smallest id, or the run fails (or keeps)
-      -> CoGroupByKey with the documents by id: the smallest id of each component is kept, the others
-         removed with reason `near_duplicate` (optionally only after verification against the kept copy)
+    documents -> MinHash signature -> 14 (band key, node) per document     (tokenmill.filters.minhash)
+      -> GroupByKey per band bucket, iterated twice -> star edges (member -> the bucket's smallest node)
+      -> connected components: `max_rounds` large-star / small-star rounds unrolled in the graph, each
+         peeling off the components that have become stars; what is left is solved exactly
+      -> GroupByKey by id: each document meets its label (the one shuffle of whole documents)
+      -> kept: documents without near duplicates and each component's root; the other members are
+         removed with reason `near_duplicate`, or with verification sent, whole, to a salted group of
+         their root, checked against the root's shingles there, and kept or removed
 
-Connected components (Kiveris et al., "Connected Components in MapReduce and Beyond", SoCC 2014): an edge
-set is rewritten by two steps, each one GroupByKey. Large-star: every node links its larger neighbours
-to the smallest id of its neighbourhood; small-star: every node links itself and its smaller neighbours
-to the smallest of them. The edge set stops changing exactly when it is a forest of stars, each centred
-on its component's smallest id; that takes O(log^2 n) rounds (a handful in practice). Beam has no
-loops, so `max_rounds` rounds are unrolled in the graph; a round on a converged edge set changes nothing
-and costs one pass over the (small) edge set. A fingerprint of each round's edges tells in stats how
-many rounds changed anything, and a final check proves convergence: a node that has a parent and
-children, or two parents, is not a star leaf. By default that fails the run, loudly; with
-`on_unconverged: keep` such documents are kept (never removed without a resolved component) and counted.
+**Nodes.** A document's node is its key `node_key(id)`: 16 hex digits of a 64-bit hash of the id, then
+the id. Nodes compare by (hash, id), so the order of ids in the input (a chain of near duplicates whose
+ids follow the chain, say) never lines up with the graph: every input is as good as randomly labelled.
+The node that is smallest in this order is the component's root, the document that is kept.
 
-Everything is a function of the set of documents: ids decide the roots, sets decide the reducers'
-output, so the result is the same whatever the worker count or the order of arrival.
+**Connected components** (Kiveris et al., "Connected Components in MapReduce and Beyond", SoCC 2014).
+Large-star: every node links its larger neighbours to the smallest node of its neighbourhood; small-star:
+every node links itself and its smaller neighbours to the smallest of them. Each step is one GroupByKey
+over the edges; alternating them turns each component into a star around its smallest node, on randomly
+ordered nodes in about 1.2 log2(n) rounds for a chain of n (8 for 1,000, 11 for 10,000, 16 for 10^6,
+measured with the same steps in plain Python). Beam has no loops, so `max_rounds` rounds are unrolled.
+Each round also finds the components that are done: a root (no smaller neighbour) none of whose children
+reports children of its own or a second parent is the centre of a finished star; the next round's
+large-star labels its members and sends nothing on, so a finished component costs nothing later. What
+the rounds leave (empty unless a component needs more rounds than `max_rounds`) is solved exactly by
+union-find in one combine, whose memory is O(residual nodes) on one worker; stats count it
+(`residual_edges`, `residual_nodes`). The result never depends on `max_rounds`: only its cost does.
 
-Chains: LSH links A~B and B~C even when A and C are far apart, and connected components then remove C
+**Verification.** LSH links A~B and B~C even when A and C are far apart, and components then remove C
 as a duplicate of A. With `verify: containment` (the default) a member is removed only if at least
-`threshold` of its distinct shingles appear in the kept document (`jaccard`: the true Jaccard
-similarity of the two shingle sets); a member that fails stays kept, in its component (`dup_cluster`).
+`threshold` of its distinct shingles appear in the root's (`jaccard`: the true Jaccard similarity of
+the two shingle sets); a member that fails stays kept, in its component (`dup_cluster`). Members go to
+their root in salted groups: (root, hash of the member mod ceil(size / verify_group_size)), and the
+root's shingles go once to each salt, so a component of a million members is a thousand groups of about
+a thousand members, each iterated one member at a time, and the root's shingles are shipped a thousand
+times rather than a million.
+
+Everything is a function of the set of documents: node keys decide the roots, and every reducer's output
+is a function of its group's contents, whatever the worker count or the order of arrival.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
+from apache_beam.transforms.window import GlobalWindows
 
 from tokenmill.filters.minhash import MAX_NGRAM, MinHasher, containment, jaccard
+from tokenmill.pipelines.exact_dedupe import DuplicateIdError, salt_count
+from tokenmill.pipelines.sinks import stable_hash
 
 STAGE = "fuzzy_dedupe"
 REASON = "near_duplicate"
 VERIFY_METRICS = ("containment", "jaccard")
-UNCONVERGED_POLICIES = ("fail", "keep")
+#: Rounds unrolled before the exact finish: enough for randomly ordered chains of ~10^7 nodes.
+DEFAULT_ROUNDS = 20
+#: Members per salted verification group.
+VERIFY_GROUP_SIZE = 1000
 #: Keys of the stage's stats that combine by maximum; every other number is summed.
 _MAX_STATS = ("largest_component", "largest_bucket")
+_HASH_DIGITS = 16
+
+# Between the two steps of a round, messages travel beside the edges as strings that start with "~",
+# which sorts after every node key (node keys start with a hex digit): the minimum of a group is a node
+# whenever the group has one, and `value < _MESSAGE` tells a node from a message.
+_MESSAGE = "~"
+_ROOT = "~R"  # (node, _ROOT): the node has no smaller neighbour
+_OTHER = "~O"  # (parent, _OTHER): a child that has children of its own, or another parent
+_FINISHED = "~F"  # (root, _FINISHED): the root's component is a star
+
+#: The element type of edges and messages: (node, node or message). Not tuple[str, str]: Beam encodes a
+#: str-typed value with a Python callback (StrUtf8Coder), Any with its compiled FastPrimitivesCoder, and
+#: the components of a 100,000-leaf star take half the Python calls that way.
+_EDGE = tuple[Any, Any]
+
+# Tags of the values of the id join and of the verification groups.
+_DOCUMENT, _LABEL = 0, 1
+_ROOT_SHINGLES, _MEMBER = 0, 1
 
 
-class ComponentsNotConverged(RuntimeError):
-    """Connected components still had chained nodes after `max_rounds` rounds."""
+def node_key(identifier: str) -> str:
+    """A document's node in the graph: the 64-bit stable hash of its id in hex, then the id."""
+    return f"{stable_hash(identifier):016x}{identifier}"
+
+
+def node_id(key: str) -> str:
+    """The document id of a node key."""
+    return key[_HASH_DIGITS:]
 
 
 def size_bucket(size: int) -> str:
@@ -61,10 +105,13 @@ def size_bucket(size: int) -> str:
     return f"{upper // 2 + 1}-{upper}"
 
 
-def _stable_hash(text: str) -> int:
-    return int.from_bytes(
-        hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little"
-    )
+def _component_stats(size: int) -> dict:
+    return {
+        "components": 1,
+        "documents_in_components": size,
+        "largest_component": size,
+        "component_sizes": {size_bucket(size): 1},
+    }
 
 
 class _StatsCombine(beam.CombineFn):
@@ -95,29 +142,42 @@ class _StatsCombine(beam.CombineFn):
         return accumulator
 
 
-class _EdgeFingerprint(beam.CombineFn):
+def _edge_hash(child: str, parent: str) -> int:
+    return stable_hash(f"{child}\x00{parent}")
+
+
+def _sum_fingerprints(fingerprints: Iterable[tuple[int, int]]) -> tuple[int, int]:
     """(edge count, sum of 64-bit edge hashes): equal for two rounds when nothing changed (and, but for a
     2^-64 chance, only then)."""
+    count = total = 0
+    for part_count, part_total in fingerprints:
+        count += part_count
+        total = (total + part_total) & (2**64 - 1)
+    return count, total
 
-    def create_accumulator(self):
-        return 0, 0
 
-    def add_input(self, accumulator, edge):
-        return accumulator[0] + 1, (accumulator[1] + _stable_hash(f"{edge[0]}\x00{edge[1]}")) & (2**64 - 1)
+class _Fingerprint(beam.DoFn):
+    """Edges -> (round, (count, sum of edge hashes)), one partial per bundle: the edges are not copied."""
 
-    def merge_accumulators(self, accumulators):
-        count = total = 0
-        for accumulator_count, accumulator_total in accumulators:
-            count += accumulator_count
-            total = (total + accumulator_total) & (2**64 - 1)
-        return count, total
+    def __init__(self, round_number: int):
+        self.round_number = round_number
 
-    def extract_output(self, accumulator):
-        return accumulator
+    def start_bundle(self):
+        self.count = self.total = 0
+
+    def process(self, edge: tuple[str, str]):
+        if edge[1] < _MESSAGE:
+            self.count += 1
+            self.total += _edge_hash(*edge)
+        return ()
+
+    def finish_bundle(self):
+        if self.count:
+            yield GlobalWindows.windowed_value((self.round_number, (self.count, self.total & (2**64 - 1))))
 
 
 class _BandKeys(beam.DoFn):
-    """A batch of documents -> (band key, id) for every band of every document that has shingles."""
+    """A batch of documents -> (band key, node) for every band of every document that has shingles."""
 
     def __init__(self, ngram: int, bands: int, rows: int, seed: int):
         self.params = (ngram, bands, rows, seed)
@@ -130,186 +190,354 @@ class _BandKeys(beam.DoFn):
         for document, signature, has_shingles in zip(batch, signatures, present, strict=True):
             if not has_shingles:
                 continue
+            node = node_key(document["id"])
             for key in self.hasher.band_keys(signature):
-                yield key, document["id"]
+                yield key, node
         yield beam.pvalue.TaggedOutput(
             "stats", {"documents": len(batch), "documents_without_words": int((~present).sum())}
         )
 
 
 def _star_edges(bucket: tuple[bytes, Iterable[str]]):
-    """The documents of one band bucket -> (member, smallest id) edges: a star spans the bucket."""
-    _, ids = bucket
-    members = sorted(set(ids))
-    if len(members) > 1:
-        root = members[0]
-        for member in members[1:]:
-            yield member, root
-        yield beam.pvalue.TaggedOutput(
-            "stats",
-            {
-                "colliding_buckets": 1,
-                "bucket_pairs": len(members) * (len(members) - 1) // 2,
-                "largest_bucket": len(members),
-            },
-        )
+    """The nodes of one band bucket -> (member, smallest node) edges: a star spans the bucket.
+
+    Two passes over the grouped values (re-iterable in Beam, streamed from the shuffle on Dataflow): the
+    smallest node and the count, then the edges. Memory is O(1) in the size of the bucket.
+    """
+    _, nodes = bucket
+    smallest = None
+    count = 0
+    for node in nodes:
+        count += 1
+        if smallest is None or node < smallest:
+            smallest = node
+    if count < 2:
+        return
+    for node in nodes:
+        if node != smallest:
+            yield node, smallest
+    yield beam.pvalue.TaggedOutput(
+        "stats",
+        {"colliding_buckets": 1, "bucket_pairs": count * (count - 1) // 2, "largest_bucket": count},
+    )
 
 
-# Edges are (larger id, smaller id) throughout: (child, parent) once the forest is made of stars.
+# Edges are (larger node, smaller node) throughout: (child, parent).
 
 
-def _both_directions(edge: tuple[str, str]):
-    yield edge[0], edge[1]
-    yield edge[1], edge[0]
+def _oriented(pair: tuple[str, str]):
+    first, second = pair
+    if first > second:
+        yield first, second
+    elif second > first:
+        yield second, first
+
+
+def _neighbourhoods(element: tuple[str, str]):
+    """An edge, both ways (each end is grouped with all its neighbours); a message, to its node only."""
+    node, other = element
+    yield node, other
+    if other < _MESSAGE:
+        yield other, node
+
+
+def _label_star(root: str, values: Iterable[str]):
+    """A finished star: (node, (root, size)) for the root and each of its children, and its stats.
+
+    The edges of a star one round after it finished are distinct (each leaf's small-star emitted its
+    edge once, and nothing else emitted it), so counting the children counts its members. Two passes."""
+    size = 1 + sum(1 for value in values if root < value < _MESSAGE)
+    label = (root, size)
+    yield beam.pvalue.TaggedOutput("labels", (root, label))
+    for value in values:
+        if root < value < _MESSAGE:
+            yield beam.pvalue.TaggedOutput("labels", (value, label))
+    yield beam.pvalue.TaggedOutput("stats", _component_stats(size))
 
 
 def _large_star(element: tuple[str, Iterable[str]]):
-    """Link every larger neighbour of a node to the smallest id of its neighbourhood (itself included)."""
-    node, neighbours = element
-    neighbours = set(neighbours)
-    smallest = min(min(neighbours), node)
-    for neighbour in neighbours:
-        if neighbour > node:
-            yield neighbour, smallest
+    """One node with all its neighbours (and maybe a finished-star message): large-star, and the node's
+    part of the star check.
 
-
-def _to_larger(edge: tuple[str, str]):
-    child, parent = edge
-    return (child, parent) if child > parent else (parent, child)
+    Large-star links every larger neighbour to the smallest node of the neighbourhood (itself included).
+    Star check: a node without smaller neighbours is a root and says so to itself (_ROOT); a node with
+    children, or with two parents, tells each parent (_OTHER); a leaf (one parent, no children) says
+    nothing. A root that got a finished-star message instead labels itself and its children and sends
+    nothing on. Two passes over the grouped values; memory O(1) in the number of neighbours.
+    """
+    node, values = element
+    parent = None
+    several_parents = False
+    has_children = False
+    finished = False
+    for value in values:
+        if value < node:
+            if parent is None:
+                parent = value
+            elif value != parent:
+                several_parents = True
+                if value < parent:
+                    parent = value
+        elif value < _MESSAGE:
+            has_children = True
+        else:
+            finished = True
+    if finished:
+        yield from _label_star(node, values)
+        return
+    if has_children:
+        smallest = node if parent is None else parent
+        for value in values:
+            if node < value < _MESSAGE:
+                yield value, smallest
+    if parent is None:
+        yield node, _ROOT
+    elif several_parents or has_children:
+        for value in values:
+            if value < node:
+                yield value, _OTHER
 
 
 def _small_star(element: tuple[str, Iterable[str]]):
-    """Link a node and its smaller neighbours to the smallest of them."""
-    node, smaller = element
-    smaller = set(smaller)
-    smallest = min(smaller)
-    for member in smaller | {node}:
-        if member != smallest:
-            yield member, smallest
+    """One node with its smaller neighbours (and the star-check messages addressed to it): small-star, or
+    the star check of a root.
+
+    Small-star links the node and its smaller neighbours to the smallest of them. A root (it has no
+    smaller neighbours, so messages are all it gets) that no child told _OTHER has only leaves: its
+    component is a star, finished; it sends itself _FINISHED. Two passes; memory O(1) in the group.
+    """
+    node, values = element
+    smallest = min(values)
+    if smallest < _MESSAGE:
+        for value in values:
+            if smallest < value < _MESSAGE:
+                yield value, smallest
+        yield node, smallest
+        return
+    is_root = has_other = False
+    for value in values:
+        if value == _ROOT:
+            is_root = True
+        elif value == _OTHER:
+            has_other = True
+    if is_root and not has_other:
+        yield node, _FINISHED
 
 
-class _LargeStarSmallStar(beam.PTransform):
-    """One round of connected components: a large-star step, then a small-star step."""
+class _SmallStar(beam.DoFn):
+    """Small-star (`_small_star`) for one round, with the fingerprint of the edges it emits: one partial
+    (count, sum of edge hashes) per bundle, tagged 'fingerprint', so that the edges are not copied to
+    compute it."""
+
+    def __init__(self, round_number: int):
+        self.round_number = round_number
+
+    def start_bundle(self):
+        self.count = self.total = 0
+
+    def process(self, element: tuple[str, Iterable[str]]):
+        for edge in _small_star(element):
+            if edge[1] < _MESSAGE:
+                self.count += 1
+                self.total += _edge_hash(*edge)
+            yield edge
+
+    def finish_bundle(self):
+        if self.count:
+            yield beam.pvalue.TaggedOutput(
+                "fingerprint",
+                GlobalWindows.windowed_value((self.round_number, (self.count, self.total & (2**64 - 1)))),
+            )
+
+
+class _Round(beam.PTransform):
+    """One round of connected components on (child, parent) edges and finished-star messages: large-star
+    (one GroupByKey by node), then small-star (one GroupByKey by the larger end of each edge).
+
+    Outputs the next round's edges and messages, the labels of the stars that finished a round ago, their
+    stats, and the fingerprint of the new edges. Shuffle: every unfinished edge twice (both ways, then
+    once) and one report per node.
+    """
+
+    def __init__(self, round_number: int):
+        super().__init__()
+        self.round_number = round_number
 
     def expand(self, edges):
-        return (
+        large = (
             edges
-            | "BothDirections" >> beam.FlatMap(_both_directions).with_output_types(tuple[str, str])
-            | "GroupNeighbours" >> beam.GroupByKey()
-            | "LargeStar" >> beam.FlatMap(_large_star).with_output_types(tuple[str, str])
-            | "KeyByLarger" >> beam.Map(_to_larger).with_output_types(tuple[str, str])
+            | "Neighbourhoods" >> beam.FlatMap(_neighbourhoods).with_output_types(_EDGE)
+            | "GroupNeighbourhoods" >> beam.GroupByKey()
+            | "LargeStar"
+            >> beam.FlatMap(_large_star)
+            .with_output_types(_EDGE)
+            .with_outputs("labels", "stats", main="edges")
+        )
+        small = (
+            large.edges
             | "GroupSmaller" >> beam.GroupByKey()
-            | "SmallStar" >> beam.FlatMap(_small_star).with_output_types(tuple[str, str])
+            | "SmallStar"
+            >> beam.ParDo(_SmallStar(self.round_number))
+            .with_output_types(_EDGE)
+            .with_outputs("fingerprint", main="edges")
         )
+        return {
+            "edges": small.edges,
+            "labels": large.labels,
+            "stats": large.stats,
+            "fingerprint": small.fingerprint,
+        }
 
 
-def _roles(edge: tuple[str, str]):
-    child, parent = edge
-    yield child, ("parent", parent)
-    yield parent, ("child", child)
+def _by_parent(element: tuple[str, str]) -> tuple[str, str]:
+    child, parent = element
+    return element if parent >= _MESSAGE else (parent, child)
 
 
-def _resolve(element: tuple[str, Iterable[tuple[str, str]]]):
-    """Star check for one node: a root labels itself and its children (id -> (root, component size));
-    a node with a parent and children, or with two parents, is a chain the rounds did not flatten."""
-    node, roles = element
-    parents = set()
-    children = set()
-    for role, other in roles:
-        (parents if role == "parent" else children).add(other)
-    if len(parents) > 1 or (parents and children):
-        yield beam.pvalue.TaggedOutput("unconverged", node)
-    elif not parents:  # a root (a leaf, with one parent and no children, is labelled by its root)
-        size = len(children) + 1
-        yield node, (node, size)
-        for child in children:
-            yield child, (node, size)
-        yield beam.pvalue.TaggedOutput(
-            "stats",
-            {
-                "components": 1,
-                "documents_in_components": size,
-                "largest_component": size,
-                "component_sizes": {size_bucket(size): 1},
-            },
-        )
+def _finish(element: tuple[str, Iterable[str]]):
+    """After the last round, one node with its children: a finished star is labelled; anything else goes
+    to the exact finish as (child, parent) edges. Two passes; memory O(1) in the number of children."""
+    node, values = element
+    if any(value >= _MESSAGE for value in values):
+        yield from _label_star(node, values)
+        return
+    for value in values:
+        yield value, node
+
+
+def _find(parents: dict[str, str], node: str) -> str:
+    parents.setdefault(node, node)
+    root = node
+    while parents[root] != root:
+        root = parents[root]
+    while parents[node] != root:  # path compression
+        parents[node], node = root, parents[node]
+    return root
+
+
+def _union(parents: dict[str, str], first: str, second: str) -> None:
+    """Join the sets of two nodes under the smaller root, so that every set's root is its smallest node."""
+    first, second = _find(parents, first), _find(parents, second)
+    if first < second:
+        parents[second] = first
+    elif second < first:
+        parents[first] = second
+
+
+class _UnionFind(beam.CombineFn):
+    """Edges -> (parent pointer per node, edge count): the exact components of what the rounds left.
+
+    Memory O(residual nodes), on the one worker that merges the accumulators (the per-bundle
+    accumulators before it hold their own share)."""
+
+    def create_accumulator(self) -> tuple[dict[str, str], int]:
+        return {}, 0
+
+    def add_input(self, accumulator, edge):
+        parents, count = accumulator
+        _union(parents, edge[0], edge[1])
+        return parents, count + 1
+
+    def merge_accumulators(self, accumulators):
+        accumulators = iter(accumulators)
+        parents, count = next(accumulators)
+        for other, other_count in accumulators:
+            for node, parent in other.items():
+                _union(parents, node, parent)
+            count += other_count
+        return parents, count
+
+    def extract_output(self, accumulator):
+        return accumulator
+
+
+def _residual_labels(solved: tuple[dict[str, str], int]):
+    """The exact finish's components -> (node, (root, size)) labels and stats."""
+    parents, edges = solved
+    roots = {node: _find(parents, node) for node in list(parents)}
+    sizes = Counter(roots.values())
+    for node, root in roots.items():
+        yield node, (root, sizes[root])
+    yield beam.pvalue.TaggedOutput("stats", {"residual_edges": edges, "residual_nodes": len(roots)})
+    for size in sizes.values():
+        yield beam.pvalue.TaggedOutput("stats", _component_stats(size))
 
 
 def _rounds_stats(fingerprints: list[tuple[int, tuple[int, int]]], max_rounds: int) -> dict:
-    """How many rounds changed the edge set (round -1 is the candidate edges themselves; a round with no
-    edges at all has no fingerprint, and there is nothing to change)."""
+    """The candidate edges' count, and how many rounds changed the edge set (round -1 is the candidate
+    edges themselves; a round with no edges has no fingerprint)."""
     by_round = dict(fingerprints)
     ordered = [by_round.get(round_number, (0, 0)) for round_number in range(-1, max_rounds)]
     changed = sum(1 for before, after in zip(ordered, ordered[1:], strict=False) if before != after)
-    return {"rounds": max_rounds, "rounds_that_changed_edges": changed}
-
-
-def _convergence_stats(unconverged: int, max_rounds: int, policy: str) -> dict:
-    if unconverged and policy == "fail":
-        raise ComponentsNotConverged(
-            f"{STAGE}: connected components did not converge in max_rounds={max_rounds} rounds: "
-            f"{unconverged} documents are still chained; raise max_rounds in the recipe (or set "
-            f"on_unconverged: keep to keep such documents)"
-        )
-    return {"converged": int(unconverged == 0), "unconverged_nodes": unconverged}
+    return {"candidate_pairs": ordered[0][0], "rounds": max_rounds, "rounds_that_changed_edges": changed}
 
 
 class ConnectedComponents(beam.PTransform):
-    """(id, id) edges -> {"labels": (id, (component's smallest id, component size)) for every node,
-    "stats": dicts of numbers}, computed in Beam with `max_rounds` unrolled large-star/small-star rounds.
+    """(node, node) pairs -> {"labels": (node, (root, component size)) for every node of an edge, "stats":
+    dicts of numbers}. The root of a component is its smallest node; nodes are node keys (`node_key`),
+    so that order is a hash order, or any strings that start with a character below "~".
 
-    Convergence is checked at the end: with `on_unconverged="fail"` a graph that the rounds did not
-    flatten into stars fails the pipeline (ComponentsNotConverged); with "keep", chained nodes get no
-    label from their chain (so they are not removed) and `unconverged_nodes` counts them.
+    `max_rounds` large-star / small-star rounds are unrolled (see the module docstring), then what is
+    not finished is solved exactly: the labels are the true connected components for any `max_rounds`.
+
+    Memory and shuffle at 10 TB on 1,000 workers: each round shuffles the unfinished edges about three
+    times (both ways by node, once by the larger end, one report per node); finished components leave
+    after the round that finishes them, so late rounds carry only the long chains. Per worker, each
+    group (a node and its neighbours, the largest being a star's root with all its members) is iterated
+    twice and never held: O(1) memory in its size. The exact finish holds the residual graph on one
+    worker: O(residual nodes), zero when every component finished within `max_rounds`.
     """
 
-    def __init__(self, max_rounds: int = 12, on_unconverged: str = "fail"):
+    def __init__(self, max_rounds: int = DEFAULT_ROUNDS):
         super().__init__()
+        if not isinstance(max_rounds, int) or max_rounds < 1:
+            raise ValueError(f"max_rounds must be a positive integer, got {max_rounds!r}")
         self.max_rounds = max_rounds
-        self.on_unconverged = on_unconverged
 
     def expand(self, pairs):
-        max_rounds, policy = self.max_rounds, self.on_unconverged
+        max_rounds = self.max_rounds
         edges = (
             pairs
-            | "Orient" >> beam.Map(_to_larger).with_output_types(tuple[str, str])
-            | "Distinct" >> (beam.Distinct())
+            | "Orient" >> beam.FlatMap(_oriented).with_output_types(_EDGE)
+            | "Distinct" >> beam.Distinct()
         )
-        edges = edges | "NoSelfLoops" >> beam.Filter(lambda edge: edge[0] != edge[1])
-        stats_parts = [
-            edges
-            | "CountEdges" >> beam.combiners.Count.Globally()
-            | "EdgesStat" >> beam.Map(lambda count: {"candidate_pairs": count})
-        ]
-        # Every round's edges, tagged with the round, go to one combine: one stage, not one per round.
-        tagged = [edges | "TagInput" >> beam.Map(lambda edge: (-1, edge))]
+        stats_parts = []
+        label_parts = []
+        fingerprints = [edges | "FingerprintInput" >> beam.ParDo(_Fingerprint(-1))]
         for round_number in range(max_rounds):
-            edges = edges | f"Round{round_number}" >> _LargeStarSmallStar()
-            tagged.append(edges | f"Tag{round_number}" >> beam.Map(lambda edge, n=round_number: (n, edge)))
+            result = edges | f"Round{round_number}" >> _Round(round_number)
+            edges = result["edges"]
+            label_parts.append(result["labels"])
+            stats_parts.append(result["stats"])
+            fingerprints.append(result["fingerprint"])
+        # Every round's fingerprint partials go to one combine: one stage, not one per round.
         stats_parts.append(
-            tuple(tagged)
+            tuple(fingerprints)
             | "AllRounds" >> beam.Flatten()
-            | "Fingerprints" >> beam.CombinePerKey(_EdgeFingerprint())
+            | "Fingerprints" >> beam.CombinePerKey(_sum_fingerprints)
             | "FingerprintList" >> beam.combiners.ToList()
             | "RoundsStat" >> beam.Map(_rounds_stats, max_rounds)
         )
-        resolved = (
+        finished = (
             edges
-            | "Roles" >> beam.FlatMap(_roles).with_output_types(tuple[str, tuple[str, str]])
-            | "GroupRoles" >> beam.GroupByKey()
-            | "StarCheck"
-            >> beam.FlatMap(_resolve)
-            .with_output_types(tuple[str, tuple[str, int]])
-            .with_outputs("unconverged", "stats", main="labels")
+            | "KeyByParent" >> beam.Map(_by_parent).with_output_types(_EDGE)
+            | "GroupChildren" >> beam.GroupByKey()
+            | "Finish"
+            >> beam.FlatMap(_finish).with_output_types(_EDGE).with_outputs("labels", "stats", main="residual")
         )
-        stats_parts.append(resolved.stats)
-        stats_parts.append(
-            resolved.unconverged
-            | "CountUnconverged" >> beam.combiners.Count.Globally()
-            | "ConvergenceCheck" >> beam.Map(_convergence_stats, max_rounds, policy)
+        label_parts.append(finished.labels)
+        stats_parts.append(finished.stats)
+        residual = (
+            finished.residual
+            | "DistinctResidual" >> beam.Distinct()
+            | "SolveResidual" >> beam.CombineGlobally(_UnionFind())
+            | "ResidualLabels" >> beam.FlatMap(_residual_labels).with_outputs("stats", main="labels")
         )
+        label_parts.append(residual.labels)
+        stats_parts.append(residual.stats)
+        labels = tuple(label_parts) | "AllLabels" >> beam.Flatten()
         stats = tuple(stats_parts) | "AllStats" >> beam.Flatten()
-        return {"labels": resolved.labels, "stats": stats}
+        return {"labels": labels, "stats": stats}
 
 
 def _removed(document: dict, root: str, size: int, extra: dict | None = None) -> dict:
@@ -332,61 +560,59 @@ def _removal_stats(document: dict) -> dict:
 
 
 class _Decide(beam.DoFn):
-    """id -> (documents, labels): kept (main), removed, or, with verification, sent on to be checked."""
+    """id -> its document and its label (if it has near duplicates): kept (main output), removed, or,
+    with verification, sent to its root's salted group ('verify'), where the root sends its shingles
+    once per salt."""
 
-    def __init__(self, hasher_params: tuple[int, int, int, int], verify: str | None):
+    def __init__(self, hasher_params: tuple[int, int, int, int], verify: str | None, group_size: int):
         self.hasher_params = hasher_params
         self.verify = verify
+        self.group_size = group_size
 
     def setup(self):
         self.hasher = MinHasher(*self.hasher_params)
 
     def process(self, element):
-        identifier, grouped = element
-        # Documents that share an id (an input anomaly) are all decided alike, in a fixed order.
-        documents = sorted(grouped["document"], key=lambda document: document["text"])
-        labels = set(grouped["label"])
-        if len(labels) != 1:
-            # No label: not a near-duplicate of anything. Two: two roots claim it, which happens only
-            # before convergence (with on_unconverged: keep); it is kept and counted.
-            if labels:
-                yield beam.pvalue.TaggedOutput("stats", {"unresolved_documents": len(documents)})
-            yield from documents
-        else:
-            yield from self._decide(identifier, documents, *next(iter(labels)))
-
-    def _decide(self, identifier: str, documents: list[dict], root: str, size: int):
-        documents = [{**document, "dup_cluster": root} for document in documents]
-        if identifier == root:
-            yield beam.pvalue.TaggedOutput("stats", {"kept_with_duplicates": len(documents)})
-            if self.verify and documents:
-                shingles = self.hasher.shingles(documents[0]["text"])
-                yield beam.pvalue.TaggedOutput("root_shingles", (root, shingles.tobytes()))
-            yield from documents
-        else:
-            yield from self._members(identifier, documents, root, size)
-
-    def _members(self, identifier: str, documents: list[dict], root: str, size: int):
-        for document in documents:
-            if self.verify:
-                yield beam.pvalue.TaggedOutput("pending", (identifier, (document, size)))
+        identifier, values = element
+        document = label = None
+        for tag, value in values:
+            if tag == _DOCUMENT:
+                if document is not None:
+                    raise DuplicateIdError(
+                        f"{STAGE}: two documents have the id {identifier!r} (sources "
+                        f"{document.get('source')!r} and {value.get('source')!r}); ids must be unique"
+                    )
+                document = value
             else:
-                yield beam.pvalue.TaggedOutput("stats", _removal_stats(document))
-                yield beam.pvalue.TaggedOutput("removed", _removed(document, root, size))
-        if self.verify and documents:
-            yield beam.pvalue.TaggedOutput("member_of", (root, identifier))
-
-
-def _fan_out_root(element):
-    """root -> (its shingles, its members) => (member, (root, root shingles)) for every member."""
-    root, grouped = element
-    for shingles in list(grouped["shingles"])[:1]:  # one root document per id (the first, if ids repeat)
-        for member in grouped["members"]:
-            yield member, (root, shingles)
+                label = value
+        if document is None:  # cannot happen: every node comes from a document
+            raise RuntimeError(f"{STAGE}: a label for {identifier!r}, which has no document")
+        if label is None:  # no near duplicates
+            yield document
+            return
+        root, size = label
+        root_id = node_id(root)
+        document = {**document, "dup_cluster": root_id}
+        salts = salt_count(size, self.group_size)
+        if root_id == identifier:
+            yield beam.pvalue.TaggedOutput("stats", {"kept_with_duplicates": 1})
+            if self.verify:
+                shingles = self.hasher.shingles(document["text"]).tobytes()
+                for salt in range(salts):
+                    yield beam.pvalue.TaggedOutput("verify", ((root, salt), (_ROOT_SHINGLES, shingles)))
+            yield document
+        elif self.verify:
+            salt = stable_hash(identifier) % salts
+            yield beam.pvalue.TaggedOutput("verify", ((root, salt), (_MEMBER, (document, size))))
+        else:
+            yield beam.pvalue.TaggedOutput("stats", _removal_stats(document))
+            yield beam.pvalue.TaggedOutput("removed", _removed(document, root_id, size))
 
 
 class _Verify(beam.DoFn):
-    """A member and its root's shingles: removed if similar enough, else kept (still in its component)."""
+    """One salted group of a component: its members, each removed if similar enough to the root, else
+    kept (still in its component). Two passes: the root's shingles, then the members one at a time, so
+    memory is the root's shingles plus one member, whatever the group's size."""
 
     def __init__(self, hasher_params: tuple[int, int, int, int], metric: str, threshold: float):
         self.hasher_params = hasher_params
@@ -397,21 +623,22 @@ class _Verify(beam.DoFn):
         self.hasher = MinHasher(*self.hasher_params)
 
     def process(self, element):
-        _, grouped = element
-        roots = list(grouped["root"])
-        for document, size in grouped["document"]:
-            if not roots:  # cannot happen: every pending member has a root
-                yield document
+        (root, _), values = element
+        root_shingles = next((value for tag, value in values if tag == _ROOT_SHINGLES), None)
+        if root_shingles is None:  # cannot happen: a root sends its shingles to every salt
+            raise RuntimeError(f"{STAGE}: no shingles from the root {node_id(root)!r} for verification")
+        theirs = np.frombuffer(root_shingles, np.uint64)
+        for tag, value in values:
+            if tag != _MEMBER:
                 continue
-            root, root_bytes = roots[0]
+            document, size = value
             mine = self.hasher.shingles(document["text"])
-            theirs = np.frombuffer(root_bytes, np.uint64)
             similarity = containment(mine, theirs) if self.metric == "containment" else jaccard(mine, theirs)
             similarity = round(similarity, 4)
             if similarity >= self.threshold:
                 yield beam.pvalue.TaggedOutput("stats", _removal_stats(document))
                 yield beam.pvalue.TaggedOutput(
-                    "removed", _removed(document, root, size, {self.metric: similarity})
+                    "removed", _removed(document, node_id(root), size, {self.metric: similarity})
                 )
             else:
                 yield beam.pvalue.TaggedOutput("stats", {"verification_kept": 1})
@@ -423,8 +650,17 @@ class FuzzyDedupe(beam.PTransform):
 
     Parameters (the recipe's `fuzzy_dedupe:` mapping): `ngram` words per shingle (5), `bands` x `rows`
     of the LSH banding (14 x 8), `seed` of the permutations (1), `max_rounds` of connected components
-    (12), `verify` (`containment`, `jaccard` or `none`) with its `threshold` (0.7), `on_unconverged`
-    (`fail` or `keep`) and `batch_size` (documents per signature batch, 256).
+    unrolled before the exact finish (20), `verify` (`containment`, `jaccard` or `none`) with its
+    `threshold` (0.7), `verify_group_size` (members per verification group, 1,000) and `batch_size`
+    (documents per signature batch, 256).
+
+    Memory and shuffle at 10 TB on 1,000 workers: band keys and node keys (14 x ~60 bytes a document)
+    are shuffled once by bucket; the candidate edges (ids only) a few times per round while their
+    component is unfinished (see ConnectedComponents); whole documents once, by id, one document per
+    group; with verification, the members of components once more, to their root's salted group, and
+    the roots' shingles once per salt (ceil(size / verify_group_size) copies). Per worker: one batch
+    of signatures, and one document (plus, in verification, one root's shingles) at a time: every
+    group, a million-member bucket or component included, is iterated, never held.
     """
 
     stage = STAGE
@@ -435,13 +671,20 @@ class FuzzyDedupe(beam.PTransform):
         bands: int = 14,
         rows: int = 8,
         seed: int = 1,
-        max_rounds: int = 12,
+        max_rounds: int = DEFAULT_ROUNDS,
         verify: str | None = "containment",
         threshold: float = 0.7,
-        on_unconverged: str = "fail",
         batch_size: int = 256,
+        verify_group_size: int = VERIFY_GROUP_SIZE,
+        on_unconverged: str | None = None,
     ):
         super().__init__()
+        if on_unconverged is not None:
+            raise ValueError(
+                "on_unconverged is gone: connected components now always converge (the rounds are "
+                "followed by an exact finish of whatever they leave), so there is nothing to fail or keep; "
+                "remove it from the recipe (max_rounds now only trades rounds for the finish's memory)"
+            )
         if not isinstance(ngram, int) or not 1 <= ngram <= MAX_NGRAM:
             raise ValueError(f"ngram must be an integer in 1..{MAX_NGRAM}, got {ngram!r}")
         for name, value in (
@@ -449,6 +692,7 @@ class FuzzyDedupe(beam.PTransform):
             ("rows", rows),
             ("max_rounds", max_rounds),
             ("batch_size", batch_size),
+            ("verify_group_size", verify_group_size),
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -460,10 +704,6 @@ class FuzzyDedupe(beam.PTransform):
             raise ValueError(f"verify must be one of {', '.join(VERIFY_METRICS)} or none, got {verify!r}")
         if not isinstance(threshold, int | float) or not 0.0 < threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
-        if on_unconverged not in UNCONVERGED_POLICIES:
-            raise ValueError(
-                f"on_unconverged must be one of {', '.join(UNCONVERGED_POLICIES)}, got {on_unconverged!r}"
-            )
         MinHasher(ngram, bands, rows, seed)  # its own checks, now rather than on the workers
         self.ngram = ngram
         self.bands = bands
@@ -472,8 +712,8 @@ class FuzzyDedupe(beam.PTransform):
         self.max_rounds = max_rounds
         self.verify = verify
         self.threshold = float(threshold)
-        self.on_unconverged = on_unconverged
         self.batch_size = batch_size
+        self.verify_group_size = verify_group_size
 
     def expand(self, documents):
         hasher_params = (self.ngram, self.bands, self.rows, self.seed)
@@ -493,11 +733,12 @@ class FuzzyDedupe(beam.PTransform):
                         "documents_in_components": 0,
                         "largest_component": 0,
                         "component_sizes": {},
+                        "residual_edges": 0,
+                        "residual_nodes": 0,
                         "kept_with_duplicates": 0,
                         "removed_documents": 0,
                         "removed_characters": 0,
                         "verification_kept": 0,
-                        "unresolved_documents": 0,
                         "bands": self.bands,
                         "rows": self.rows,
                         "ngram": self.ngram,
@@ -506,14 +747,14 @@ class FuzzyDedupe(beam.PTransform):
             )
         ]
 
-        # Signatures, band buckets, candidate edges.
+        # Signatures, band buckets, candidate edges: node keys only.
         bands = (
             documents
             | "BatchForSignatures"
             >> beam.BatchElements(min_batch_size=self.batch_size, max_batch_size=self.batch_size)
             | "BandKeys"
             >> beam.ParDo(_BandKeys(*hasher_params))
-            .with_output_types(tuple[bytes, str])
+            .with_output_types(tuple[bytes, Any])
             .with_outputs("stats", main="keys")
         )
         stats_parts.append(bands.stats)
@@ -521,38 +762,33 @@ class FuzzyDedupe(beam.PTransform):
             bands.keys
             | "GroupByBand" >> beam.GroupByKey()
             | "StarEdges"
-            >> beam.FlatMap(_star_edges)
-            .with_output_types(tuple[str, str])
-            .with_outputs("stats", main="edges")
+            >> beam.FlatMap(_star_edges).with_output_types(_EDGE).with_outputs("stats", main="edges")
         )
         stats_parts.append(buckets.stats)
-        components = buckets.edges | "Components" >> ConnectedComponents(self.max_rounds, self.on_unconverged)
+        components = buckets.edges | "Components" >> ConnectedComponents(self.max_rounds)
         stats_parts.append(components["stats"])
 
-        # Decisions, joined with the documents by id.
+        # The one join of whole documents: each meets its label (if any) by id.
         decided = (
-            {
-                "document": documents | "KeyById" >> beam.Map(lambda document: (document["id"], document)),
-                "label": components["labels"],
-            }
-            | "JoinLabels" >> beam.CoGroupByKey()
+            (
+                documents | "KeyById" >> beam.Map(lambda document: (document["id"], (_DOCUMENT, document))),
+                components["labels"]
+                | "LabelsById" >> beam.Map(lambda label: (node_id(label[0]), (_LABEL, label[1]))),
+            )
+            | "DocumentsAndLabels" >> beam.Flatten()
+            | "JoinById" >> beam.GroupByKey()
             | "Decide"
-            >> beam.ParDo(_Decide(hasher_params, self.verify)).with_outputs(
-                "removed", "stats", "pending", "member_of", "root_shingles", main="kept"
+            >> beam.ParDo(_Decide(hasher_params, self.verify, self.verify_group_size)).with_outputs(
+                "removed", "stats", "verify", main="kept"
             )
         )
         stats_parts.append(decided.stats)
         kept_parts = [decided.kept]
         removed_parts = [decided.removed]
         if self.verify:
-            root_copies = (
-                {"shingles": decided.root_shingles, "members": decided.member_of}
-                | "JoinRoots" >> beam.CoGroupByKey()
-                | "FanOutRoot" >> beam.FlatMap(_fan_out_root)
-            )
             verified = (
-                {"document": decided.pending, "root": root_copies}
-                | "JoinMembers" >> beam.CoGroupByKey()
+                decided.verify
+                | "GroupBySaltedRoot" >> beam.GroupByKey()
                 | "Verify"
                 >> beam.ParDo(_Verify(hasher_params, self.verify, self.threshold)).with_outputs(
                     "removed", "stats", main="kept"

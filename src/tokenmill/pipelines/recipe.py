@@ -5,6 +5,8 @@ name: web
 fields: {text: text, id: id, url: url}
 chars_per_token: 4.0
 target_file_bytes: 256M
+max_record_bytes: 64MiB   # a longer line / record is rejected as record_too_large, never held whole
+removed_text: true        # false: removed/ keeps id, source, reason, detail and size, not the text
 default_cell: {domain: web, quality: 0}
 normalize: {max_chars: 1_000_000}
 stages:
@@ -28,6 +30,7 @@ named by import path, whose `expand(documents)` returns a dict with the PCollect
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -45,7 +48,7 @@ from tokenmill.filters.heuristics import FILTER_CLASSES, HeuristicFilter, datatr
 from tokenmill.filters.language import LanguageFilter
 from tokenmill.filters.normalize import Normalize
 from tokenmill.filters.url_filter import UrlFilter
-from tokenmill.pipelines.readers import InputFields
+from tokenmill.pipelines.readers import DEFAULT_MAX_RECORD_BYTES, InputFields
 from tokenmill.units import parse_count
 from tokenmill.validation import validation_problems
 
@@ -71,13 +74,33 @@ DOCUMENT_STAGES: dict[str, Callable[..., DocumentStep]] = {
 #: Stages that compare documents across inputs: kind -> "module:PTransform" (imported when used, so that
 #: recipes load without Beam's start-up cost where only the per-document stages are needed).
 GROUPING_STAGES: dict[str, str] = {
-    "exact_dedupe": "tokenmill.pipelines.curate:ExactDedupe",
+    "exact_dedupe": "tokenmill.pipelines.exact_dedupe:ExactDedupe",
     "fuzzy_dedupe": "tokenmill.pipelines.fuzzy_dedupe:FuzzyDedupe",
 }
 #: `by_domain: {<domain>: [stages...], default: [stages...]}` gives each domain its own chain of
 #: per-document stages (after `domain_classifier`); see tokenmill.filters.base.DomainChains.
 BY_DOMAIN = "by_domain"
 STAGE_KINDS = (*DOCUMENT_STAGES, *GROUPING_STAGES, BY_DOMAIN)
+
+
+_BINARY_BYTES = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_byte_size(value: Any) -> int:
+    """A size in bytes: `64MiB` (binary suffixes KiB, MiB, GiB, TiB), or a count as tokenmill.units
+    parses it (`256M` = 256,000,000, `1_000_000`, `1e9`)."""
+    if isinstance(value, str):
+        text = value.strip().upper()
+        for suffix, scale in _BINARY_BYTES.items():
+            if text.endswith(suffix):
+                try:
+                    size = float(text[: -len(suffix)].strip().replace("_", "")) * scale
+                except ValueError:
+                    size = -1.0
+                if not math.isfinite(size) or size < 0 or size != int(size):
+                    raise ValueError(f"not a size in bytes: {value!r} (expected e.g. 64MiB, 1.5GiB or 256M)")
+                return int(size)
+    return parse_count(value)
 
 
 @dataclass
@@ -118,15 +141,20 @@ class Recipe(BaseModel):
     fields: Fields = Fields()
     chars_per_token: float = Field(4.0, gt=0)
     target_file_bytes: int = 256 * 10**6
+    #: A JSON line, Parquet text or WARC record longer than this is rejected as `record_too_large`.
+    max_record_bytes: int = Field(DEFAULT_MAX_RECORD_BYTES, gt=0)
+    #: False records removed documents without their text (id, source, stage, reason, detail, n_chars):
+    #: at web scale most of what is read is removed, and writing it whole doubles the output.
+    removed_text: bool = True
     batch_size: int = Field(256, gt=0)
     default_cell: DefaultCell = DefaultCell()
     normalize: NormalizeParams = NormalizeParams()
     stages: list[dict[str, dict[str, Any] | None]] = []
 
-    @field_validator("target_file_bytes", mode="before")
+    @field_validator("target_file_bytes", "max_record_bytes", mode="before")
     @classmethod
     def _parse_bytes(cls, value: Any) -> int:
-        return parse_count(value)
+        return parse_byte_size(value)
 
     @field_validator("stages")
     @classmethod

@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import math
 from collections.abc import Callable, Iterable
 
 import apache_beam as beam
 import pyarrow as pa
 import pyarrow.parquet as pq
-import zstandard
 
 from tokenmill import storage
 
 PARQUET_ROW_GROUP_ROWS = 16_384
-ZSTD_LEVEL = 3
 
 
 def stable_hash(text: str) -> int:
@@ -47,13 +44,6 @@ def write_parquet(path: str, rows: list[dict], schema: pa.Schema) -> None:
         table, buffer, compression="zstd", row_group_size=PARQUET_ROW_GROUP_ROWS, write_statistics=True
     )
     storage.write_bytes(path, buffer.getvalue())
-
-
-def write_jsonl_zst(path: str, rows: list[dict]) -> None:
-    lines = b"".join(
-        json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n" for row in rows
-    )
-    storage.write_bytes(path, zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(lines))
 
 
 class _WriteFile(beam.DoFn):

@@ -12,8 +12,10 @@ The same graph runs on Beam's local FnApiRunner (SDK worker processes on this ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from collections import defaultdict
@@ -25,7 +27,8 @@ from apache_beam.metrics import Metrics
 
 from tokenmill import storage
 from tokenmill.cells import parse_cell
-from tokenmill.tokenize.shards import COUNTS, DTYPES, INDEX_DTYPE, MANIFEST
+from tokenmill.formats.tokens import COUNTS, DONE_SUFFIX, MANIFEST, ShardMarker, read_counts
+from tokenmill.tokenize.shards import DTYPES, INDEX_DTYPE
 from tokenmill.tokenize.tokenizer import (
     TokenizerInfo,
     read_tokenizer_bytes,
@@ -34,7 +37,6 @@ from tokenmill.tokenize.tokenizer import (
 )
 from tokenmill.tokenize.writer import (
     DEFAULT_BATCH_DOCUMENTS,
-    DONE_SUFFIX,
     ShardTask,
     process_shard,
     read_marker,
@@ -57,8 +59,9 @@ def default_local_workers() -> int:
     return max(1, (os.cpu_count() or 1) // CORES_PER_WORKER)
 
 
-class InputError(ValueError):
-    """Curated input that cannot be tokenized as asked (no cells, a misnamed cell folder)."""
+class TokenizeError(ValueError):
+    """A tokenize run that cannot go as asked: curated input with no cells or a misnamed cell folder, or an
+    output folder that holds an earlier run."""
 
 
 def discover_tasks(curated: str) -> list[ShardTask]:
@@ -74,7 +77,7 @@ def discover_tasks(curated: str) -> list[ShardTask]:
         try:
             parse_cell(cell)
         except ValueError as error:
-            raise InputError(f"{path}: {error}") from error
+            raise TokenizeError(f"{path}: {error}") from error
         by_cell[cell].append(path)
     return [
         ShardTask(cell=cell, index=index, source=path)
@@ -107,7 +110,7 @@ class TokenizeShardFn(beam.DoFn):
             )
         self.tokenizer = tokenizer_from_bytes(data, self.tokenizer_path)
 
-    def process(self, task: ShardTask) -> Iterator[dict[str, Any]]:
+    def process(self, task: ShardTask) -> Iterator[ShardMarker]:
         def count(documents: int, tokens: int) -> None:
             self.documents.inc(documents)
             self.tokens.inc(tokens)
@@ -120,14 +123,14 @@ class TokenizeShardFn(beam.DoFn):
 
 
 def _write_cell_manifest(
-    cell_markers: tuple[str, Iterable[dict[str, Any]]],
+    cell_markers: tuple[str, Iterable[ShardMarker]],
     output: str,
     info: TokenizerInfo,
     expected: dict[str, int],
 ) -> dict[str, Any]:
     cell, markers = cell_markers
     # A retried bundle may report a shard twice; its markers are identical (deterministic), keep one.
-    by_name = {marker["name"]: marker for marker in markers}
+    by_name = {marker.name: marker for marker in markers}
     if len(by_name) != expected[cell]:
         raise RuntimeError(f"{cell}: {len(by_name)} shards done for {expected[cell]} source files")
     return write_manifest(output, cell, list(by_name.values()), info)
@@ -152,11 +155,11 @@ def build_pipeline(
         # One shard per element on whichever worker is free: shards differ a lot in size.
         | "Spread" >> beam.Reshuffle()
         | "Tokenize" >> beam.ParDo(dofn)
-        | "ByCell" >> beam.Map(lambda marker: (marker["cell"], marker))
+        | "ByCell" >> beam.Map(lambda marker: (marker.cell, marker))
         | "GroupCells" >> beam.GroupByKey()
         | "WriteManifests" >> beam.Map(_write_cell_manifest, output, info, dict(expected))
         | "AllCells" >> beam.combiners.ToList()
-        | "WriteCounts" >> beam.Map(lambda cells: write_counts(output, cells, info)["total_tokens"])
+        | "WriteCounts" >> beam.Map(lambda cells: write_counts(output, cells, info).total_tokens)
     )
 
 
@@ -174,7 +177,7 @@ class ProgressMonitor:
         self.every = every
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenize-progress", daemon=True)
-        self._markers: dict[str, dict[str, Any]] = {}
+        self._markers: dict[str, ShardMarker] = {}
         self.start_time = time.monotonic()
         self.baseline_tokens = 0
 
@@ -190,8 +193,8 @@ class ProgressMonitor:
                     self._markers[path] = marker
             if marker is not None:
                 done += 1
-                documents += marker["documents"]
-                tokens += marker["tokens"]
+                documents += marker.documents
+                tokens += marker.tokens
         for cell in sorted({t.cell for t in self.tasks}):
             directory = os.path.join(self.output, cell)
             try:
@@ -237,44 +240,76 @@ class ProgressMonitor:
             self._thread.join()
 
 
-def _prepare_output(output: str, tasks: list[ShardTask]) -> None:
-    """Clear what a killed run may have left, and the catalog, which is rewritten only at the end."""
-    removed = storage.remove_temporaries(output)
-    if removed:
-        log.info("removed %d temporary files left by an earlier run", removed)
-    # Without counts.json and manifests, an unfinished run can never be mistaken for a finished one.
-    for path in [storage.join(output, COUNTS), *{storage.join(output, t.cell, MANIFEST) for t in tasks}]:
-        if storage.is_local(path) and os.path.exists(path):
-            os.remove(path)
-        elif not storage.is_local(path) and storage.exists(path):
-            import fsspec
-
-            fs, fs_path = fsspec.core.url_to_fs(path)
-            fs.rm(fs_path)
-    if storage.is_local(output):
-        _warn_stale(storage.local_path(output), tasks)
+# What `tokenmill tokenize` writes below its output folder (docs/formats.md, "Token shards").
+_TOKENIZE_FILE = re.compile(
+    r"^(?:counts\.json|domain=[^/]+/quality=[^/]+/(?:part-\d+\.(?:bin|idx|done\.json)|manifest\.json|"
+    + re.escape(storage.TEMPORARY_PREFIX)
+    + r"[^/]*))$"
+)
 
 
-def _warn_stale(output: str, tasks: list[ShardTask]) -> None:
-    expected = {(t.cell, t.name) for t in tasks}
-    cells = {t.cell for t in tasks}
-    for cell in sorted(cells):
-        directory = os.path.join(output, cell)
-        if not os.path.isdir(directory):
-            continue
-        stale = sorted(
-            name
-            for name in os.listdir(directory)
-            if name.startswith("part-") and (cell, name.split(".", 1)[0]) not in expected
+def earlier_run_files(output: str) -> list[str]:
+    """Files of an earlier tokenize run in `output`, relative to it, sorted (other files are not ours)."""
+    return [name for name in storage.list_files(output, relative=True) if _TOKENIZE_FILE.match(name)]
+
+
+def _describe(files: list[str]) -> str:
+    shards = sum(1 for name in files if name.endswith(".bin"))
+    catalog = "counts.json, " if COUNTS in files else "no counts.json (unfinished), "
+    return f"{catalog}{shards} shards, {len(files)} files"
+
+
+def prepare_output(output: str, tasks: list[ShardTask], overwrite: bool, resume: bool) -> None:
+    """Make `output` ready for this run, or refuse it; on any filesystem, before the pipeline starts.
+
+    An output that holds an earlier run is refused unless `overwrite` (delete every file of it first) or
+    `resume` (keep the shards that prove complete and verified for this input and tokenizer, redo the
+    rest). Resuming refuses files that this run would not write (shards of an earlier run with more
+    source files, cells no longer in the input), so no folder ever mixes two runs. The catalog
+    (counts.json, then the manifests) is removed before anything else: a tokens/ folder without
+    counts.json is an unfinished run, and readers refuse it.
+    """
+    earlier = earlier_run_files(output)
+    if not earlier:
+        return
+    if not (overwrite or resume):
+        raise TokenizeError(
+            f"--output {output} holds an earlier tokenize run ({_describe(earlier)}); pass --resume to "
+            "keep its complete, verified shards and redo the rest, or --overwrite to delete it first"
         )
-        if stale:
-            log.warning(
-                "%s: %d files from an earlier run with more source files are not part of this run "
-                "(not in the manifest; delete them if unwanted): %s",
-                directory,
-                len(stale),
-                stale[:4],
-            )
+    catalog = [name for name in earlier if name == COUNTS or name.endswith("/" + MANIFEST)]
+    if overwrite:
+        rest = [name for name in earlier if name not in catalog]
+        for name in sorted(catalog, key=lambda name: name != COUNTS) + rest:
+            storage.remove_file(storage.join(output, name))
+        if storage.is_local(output):  # object stores have no folders to leave behind
+            for cell in sorted({name.rpartition("/")[0] for name in rest}):
+                for folder in (cell, cell.split("/", 1)[0]):
+                    with contextlib.suppress(OSError):  # not empty: it holds files that are not ours
+                        os.rmdir(os.path.join(storage.local_path(output), folder))
+        log.info("--overwrite: removed %d files of an earlier run from %s", len(earlier), output)
+        return
+    expected = {f"{task.cell}/{task.name}" for task in tasks}
+    cells = {task.cell for task in tasks}
+    stale = []
+    for name in earlier:
+        cell, _, base = name.rpartition("/")
+        if name == COUNTS or base.startswith(storage.TEMPORARY_PREFIX):
+            continue
+        if cell not in cells or (base != MANIFEST and f"{cell}/{base.split('.', 1)[0]}" not in expected):
+            stale.append(name)
+    if stale:
+        raise TokenizeError(
+            f"--output {output} holds {len(stale)} files that this run would not write (from an earlier run "
+            f"with other input, e.g. {', '.join(stale[:3])}); --resume cannot keep them apart from this "
+            "run's: pass --overwrite to delete the earlier run first"
+        )
+    # Counts first: without counts.json an unfinished run can never be mistaken for a finished one.
+    temporaries = [name for name in earlier if name.rpartition("/")[2].startswith(storage.TEMPORARY_PREFIX)]
+    for name in sorted(catalog, key=lambda name: name != COUNTS) + temporaries:
+        storage.remove_file(storage.join(output, name))
+    if temporaries:
+        log.info("removed %d temporary files left by an earlier run", len(temporaries))
 
 
 def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerInfo) -> dict[str, Any]:
@@ -285,14 +320,16 @@ def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerI
 
     tasks = discover_tasks(args.input)
     if not tasks:
-        raise InputError(
+        raise TokenizeError(
             f"no curated Parquet files under {args.input} (expected domain=<d>/quality=<q>/*.parquet)"
         )
     output = args.output
     dry_run = bool(getattr(args, "dry_run", False))
     if not dry_run:  # a dry run builds the job and touches nothing
         storage.make_dirs(output)
-        _prepare_output(output, tasks)
+        prepare_output(
+            output, tasks, bool(getattr(args, "overwrite", False)), bool(getattr(args, "resume", False))
+        )
     log.info(
         "tokenize: %d shards in %d cells, tokenizer %s (%s, vocabulary %d, %s, end-of-text id %d)",
         len(tasks),
@@ -328,7 +365,7 @@ def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerI
     except Exception as error:  # metrics are a nicety; some runners do not report them
         log.debug("no metrics from the runner: %s", error)
     if not dry_run:
-        counts = storage.read_json(storage.join(output, COUNTS))
-        summary["documents"] = counts["total_documents"]
-        summary["tokens"] = counts["total_tokens"]
+        counts = read_counts(storage.join(output, COUNTS))
+        summary["documents"] = counts.total_documents
+        summary["tokens"] = counts.total_tokens
     return summary

@@ -6,7 +6,7 @@ Beam element; curate reads many in parallel.
 
 The work per record, and why it is split this way:
 
-* Framing (here, in Python; gzip through ISA-L when installed, else zlib): gzip members are tracked, so
+* Framing (here, in Python; gzip through ISA-L, zlib-compatible): gzip members are tracked, so
   that each record's offset is the file offset of its gzip member (what Common Crawl's index gives and a
   range request needs), a stream that ends inside a member is caught (FastWARC stops silently there),
   and a wrong `Content-Length` costs one record, not the rest of the file: a record must be followed by
@@ -27,15 +27,19 @@ Only `response`, `resource` and `revisit` records are candidates for documents; 
 `metadata` and other bookkeeping records are skipped without a count (Common Crawl writes a request and
 a metadata record beside every response; they hold no page). Every candidate becomes a document or a
 rejected record whose `error_kind` says why (docs/formats.md, "Rejected input"): `not_html`, `redirect`,
-`http_error`, `empty_body`, `revisit`, `too_large`, `no_text`, `undecodable`, `bad_record`,
+`http_error`, `empty_body`, `revisit`, `record_too_large`, `no_text`, `undecodable`, `bad_record`,
 `bad_content_length`, `truncated_record`; a gzip stream that breaks between records adds one
 `truncated` (or `unreadable`) record for the file, as the JSON Lines reader does. A rejected record's
 `line` is the record's number in the file (1-based, bookkeeping records included) and `offset` its file
 offset (of its gzip member in a `.warc.gz`).
 
-A document's id is the source and the WARC-Record-ID (`CC-MAIN-….warc.gz:urn:uuid:…`), its `url` the
-WARC-Target-URI, and its metadata the record id, fetch date (WARC-Date), content type, charset used and
-where it came from, HTTP status, page title and offset.
+A document's id is the source (the file's path below the input root, readers.relative_source) and the
+WARC-Record-ID (`crawl/CC-MAIN-….warc.gz:urn:uuid:…`; two records of one file with the same id stop the
+run, readers.DuplicateIdError), its `url` the WARC-Target-URI, and its metadata the record id, fetch
+date (WARC-Date), content type, charset used and where it came from, HTTP status, page title and offset.
+A record over `max_record_bytes` (the recipe's) is stepped over unbuffered (`record_too_large`), and a
+resync after damage holds one read chunk, so no record or damage holds more than the limit in memory.
+Storage errors are not caught: they propagate, so the runner retries the bundle.
 """
 
 from __future__ import annotations
@@ -53,21 +57,23 @@ from functools import lru_cache
 from typing import IO
 
 from fastwarc.warc import WarcRecord
+from isal import isal_zlib as _inflate  # gzip 2.5 times as fast as zlib: a tenth of a page's cost
 from resiliparse.extract.html2text import extract_plain_text
 from resiliparse.parse.encoding import detect_encoding, map_encoding_to_html5
 from resiliparse.parse.html import HTMLTree
 
-try:  # ISA-L inflates gzip about 2.5 times as fast as zlib, a tenth of a page's whole cost (bench/extract.py)
-    from isal import isal_zlib as _inflate
-except ImportError:  # pragma: no cover - a platform without isal wheels
-    _inflate = zlib
-
 from tokenmill import storage
-from tokenmill.pipelines.readers import RAW_LIMIT, InputFields, rejected, source_name
+from tokenmill.pipelines.readers import (
+    DEFAULT_MAX_RECORD_BYTES,
+    RAW_LIMIT,
+    IdLedger,
+    InputFields,
+    rejected,
+    relative_source,
+)
 
 log = logging.getLogger(__name__)
 
-WARC_SUFFIXES = (".warc", ".warc.gz")
 READ_CHUNK = 1 << 20
 #: Compressed bytes given to zlib at a time (Common Crawl's gzip members are a few kB to a few hundred).
 FEED_CHUNK = 64 * 1024
@@ -76,8 +82,6 @@ INFLATE_BATCH = 512 * 1024
 #: Decompressed bytes produced per step, so that a small gzip member cannot expand without bound at once.
 INFLATE_CHUNK = 8 << 20
 MAX_HEADER_BYTES = 64 * 1024
-#: Records with a longer block are skipped unread (Common Crawl cuts payloads at 1 MiB).
-MAX_RECORD_BYTES = 32 << 20
 #: A page decoded with more than this share of replacement characters is rejected as `undecodable`.
 MAX_REPLACEMENT_SHARE = 0.02
 #: A charset that fails on no more than this share of a page (or one character) is still the page's.
@@ -232,6 +236,25 @@ class _Source:
             if not self._fill():
                 return -1
 
+    def scan(self, needle: bytes, start: int) -> int:
+        """Like `find` with no limit, but what has been searched is released as the search goes on: a
+        resync over gigabytes of damage holds one read chunk, not the damage. Take what is needed from
+        before `start` first."""
+        searched = start
+        while True:
+            index = self.buffer.find(needle, searched - self.base)
+            if index >= 0:
+                return self.base + index
+            searched = max(start, self.end - len(needle) + 1)
+            self.release(searched)
+            if not self._fill():
+                return -1
+
+    def sample(self, start: int) -> bytes:
+        """The first RAW_LIMIT + 1 bytes from `start` (fewer at the end of the stream)."""
+        self.ensure(start + RAW_LIMIT + 1)
+        return self.take(start, start + RAW_LIMIT + 1)
+
     def take(self, start: int, stop: int) -> bytes:
         return self.buffer[start - self.base : stop - self.base]
 
@@ -282,20 +305,27 @@ class _Frame:
         return self.data[: self.header_length + SKIPPED_RAW_BYTES]
 
 
-def _frames(path: str, source: _Source) -> Iterator[_Frame | dict | str]:
+def _frames(
+    path: str, source: _Source, name: str, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> Iterator[_Frame | dict | str]:
     """Every WARC record of the stream: framed if it may be a page, its type if it is bookkeeping, or a
-    rejected record where framing fails.
+    rejected record where framing fails. `name` is the file's source name (readers.relative_source).
 
     Damage costs the damaged record only: after a record whose block is not followed by its blank line,
-    or bytes that are no WARC header, reading resumes at the next line that starts one.
+    or bytes that are no WARC header, reading resumes at the next line that starts one. Memory: one
+    record of at most `max_record_bytes` (a longer one is stepped over unbuffered, `record_too_large`),
+    and a read chunk while searching for the next header.
     """
     position = 0
     number = 0
 
-    def reject(kind: str, sentence: str, start: int, stop: int) -> dict:
+    def reject(kind: str, sentence: str, start: int, stop: int, sample: bytes | None = None) -> dict:
         where = f"{path}: record {number} (byte {offset})"
-        raw = source.take(start, min(stop, start + RAW_LIMIT + 1))
-        return rejected(path, kind, f"{where}: {sentence}", raw, line=number, offset=offset)
+        if sample is None:
+            raw = source.take(start, min(stop, start + RAW_LIMIT + 1))
+        else:
+            raw = sample[: stop - start]
+        return rejected(path, kind, f"{where}: {sentence}", raw, line=number, offset=offset, source=name)
 
     while True:
         position = source.skip_blank(position)
@@ -309,6 +339,7 @@ def _frames(path: str, source: _Source) -> Iterator[_Frame | dict | str]:
                     f"{path}: {sentence}, after {number} records",
                     line=number + 1,
                     offset=source.file_offset(position),
+                    source=name,
                 )
             return
         number += 1
@@ -325,13 +356,15 @@ def _frames(path: str, source: _Source) -> Iterator[_Frame | dict | str]:
         match = _CONTENT_LENGTH.search(header) if is_warc else None
         if match is None:
             what = "a Content-Length" if is_warc else "a WARC/1.x header line"
-            resume = source.find(_NEXT_HEADER, start)
+            sample = source.sample(start)
+            resume = source.scan(_NEXT_HEADER, start)
             stop = resume + 1 if resume >= 0 else source.end
             yield reject(
                 "bad_record",
                 f"no WARC record here (expected {what}); skipped {stop - start:,} bytes",
                 start,
                 stop,
+                sample,
             )
             if resume < 0:
                 return
@@ -342,11 +375,11 @@ def _frames(path: str, source: _Source) -> Iterator[_Frame | dict | str]:
         block_end = block_start + length
         match = _WARC_TYPE.search(header)
         warc_type = match.group(1).decode("ascii").lower() if match else ""
-        if length > MAX_RECORD_BYTES:  # stepped over unbuffered; counted if it could have been a page
+        if length > max_record_bytes:  # stepped over unbuffered; counted if it could have been a page
             if warc_type in CANDIDATE_TYPES:
                 yield reject(
-                    "too_large",
-                    f"a block of {length:,} bytes, over the {MAX_RECORD_BYTES:,} byte limit",
+                    "record_too_large",
+                    f"a block of {length:,} bytes, over max_record_bytes ({max_record_bytes:,}); skipped",
                     start,
                     block_start,
                 )
@@ -359,6 +392,7 @@ def _frames(path: str, source: _Source) -> Iterator[_Frame | dict | str]:
                         header,
                         line=number,
                         offset=offset,
+                        source=name,
                     )
                 return
             position = block_end
@@ -386,7 +420,8 @@ def _frames(path: str, source: _Source) -> Iterator[_Frame | dict | str]:
             continue
         # The block is not followed by its blank line, so the Content-Length is wrong. The record really ends
         # where the next one starts, which may lie inside the declared block (too large) or after it.
-        resume = source.find(_NEXT_HEADER, block_start)
+        sample = source.sample(start)
+        resume = source.scan(_NEXT_HEADER, block_start)
         stop = resume + 1 if resume >= 0 else source.end
         yield reject(
             "bad_content_length",
@@ -394,6 +429,7 @@ def _frames(path: str, source: _Source) -> Iterator[_Frame | dict | str]:
             f"{stop - block_start:,} bytes into the block",
             start,
             stop,
+            sample,
         )
         if resume < 0:
             return
@@ -498,8 +534,9 @@ def _is_html(content_type: str, payload: bytes) -> bool:
     return content_type in VAGUE_TYPES and bool(_HTML_START.match(payload[:1024]))
 
 
-def _page(path: str, frame: _Frame) -> dict:
-    """A document or a rejected record from one framed response, resource or revisit record."""
+def _page(path: str, frame: _Frame, name: str) -> dict:
+    """A document or a rejected record from one framed response, resource or revisit record; `name` is
+    the file's source name."""
 
     def reject(kind: str, sentence: str, raw: bytes) -> dict:
         return rejected(
@@ -509,6 +546,7 @@ def _page(path: str, frame: _Frame) -> dict:
             raw,
             line=frame.number,
             offset=frame.offset,
+            source=name,
         )
 
     if frame.warc_type == "revisit":
@@ -571,31 +609,43 @@ def _page(path: str, frame: _Frame) -> dict:
         metadata["warc_truncated"] = truncated  # the crawler cut the page, usually at 1 MiB
     # The document as readers.make_document makes it (id prefixed with the source), built directly: it
     # is a tenth of what a page costs besides extraction.
-    source = source_name(path)
     return {
         "kind": "document",
-        "id": f"{source}:{record_id}" if record_id else f"{source}:R{frame.number}",
+        "id": f"{name}:{record_id}" if record_id else f"{name}:R{frame.number}",
         "text": text,
-        "source": source,
+        "source": name,
         "url": warc.get("WARC-Target-URI") or None,
         "metadata": json.dumps(metadata, sort_keys=True, ensure_ascii=False),
     }
 
 
-def read_warc(path: str, fields: InputFields | None = None) -> Iterator[dict]:
+def read_warc(
+    path: str,
+    fields: InputFields | None = None,
+    source: str | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> Iterator[dict]:
     """Every page of one WARC file, as documents or rejected records (see the module docstring).
 
     `fields` is accepted for the readers' common signature; WARC records have no configurable fields.
+    `source` names the file in documents and ids (readers.relative_source; its basename when None).
+    Storage errors propagate (the runner retries); a record's ids are checked for duplicates per file.
     """
     del fields
+    name = source if source is not None else relative_source(path, None)
+    ledger = IdLedger(path, "record")
     counts: Counter[str] = Counter()
     with storage.open_file(path, "rb") as raw:
-        for item in _frames(path, _Source(raw, gzipped=path.lower().endswith(".gz"))):
+        frames = _frames(path, _Source(raw, gzipped=path.lower().endswith(".gz")), name, max_record_bytes)
+        for item in frames:
             if isinstance(item, str):
                 counts[f"skipped {item}"] += 1
                 continue
             if isinstance(item, _Frame):
-                item = _page(path, item)
+                number = item.number
+                item = _page(path, item, name)
+                if item["kind"] == "document":
+                    ledger.claim(item["id"][len(name) + 1 :], number)
             counts[item["kind"] if item["kind"] == "document" else item["error_kind"]] += 1
             yield item
-    log.info("%s: %s", source_name(path), ", ".join(f"{k}: {n:,}" for k, n in sorted(counts.items())))
+    log.info("%s: %s", name, ", ".join(f"{k}: {n:,}" for k, n in sorted(counts.items())))

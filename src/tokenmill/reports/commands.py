@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tokenmill import storage
+from tokenmill.errors import UsageError
 from tokenmill.units import format_count
+
+if TYPE_CHECKING:
+    from tokenmill.formats.plan import MixturePlan
 
 log = logging.getLogger(__name__)
 
@@ -67,44 +70,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_report)
 
 
-def _load_plan_file(path: str, what: str) -> dict[str, Any]:
-    from tokenmill.cli import UsageError
+def _load_plan_file(path: str, what: str) -> MixturePlan:
+    from tokenmill.errors import FormatError
+    from tokenmill.formats.plan import read_plan
 
     if not storage.exists(path):
         raise UsageError(f"{what} {path}: no such file")
     try:
-        with storage.open_file(path, "rb") as handle:
-            return json.loads(handle.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UsageError(f"{what} {path}: not valid JSON ({error})") from error
+        return read_plan(path)
+    except FormatError as error:
+        raise UsageError(f"{what} {error}") from error
 
 
-def _plan_mixture(path: str, tokens: str) -> dict[str, Any]:
+def _plan_mixture(path: str, tokens: str) -> MixturePlan:
     """Plan a mixture spec against the tokens' counts.json with tokenmill.mixtures (imported only here)."""
-    from tokenmill.cli import UsageError
-
     if not storage.exists(path):
         raise UsageError(f"mixture {path}: no such file")
-    try:
-        from tokenmill.mixtures import load_mixture, plan_mixture  # type: ignore[attr-defined]
-    except ImportError as error:
-        raise UsageError(
-            f"cannot plan {path}: tokenmill.mixtures has no planner in this version ({error}); "
-            "pass a precomputed plan with --plan FILE.json"
-        ) from error
-    counts_path = storage.join(tokens, "counts.json")
+    from tokenmill.formats.tokens import COUNTS, read_counts
+    from tokenmill.mixtures import load_mixture, plan_mixture
+
+    counts_path = storage.join(tokens, COUNTS)
     if not storage.exists(counts_path):
         raise UsageError(f"{tokens}: no counts.json here (expected the tokenize output folder)")
     try:
-        plan = plan_mixture(load_mixture(path), storage.read_json(counts_path))
+        return plan_mixture(load_mixture(path), read_counts(counts_path))
     except (ValueError, KeyError) as error:
         raise UsageError(f"mixture {path}: {error}") from error
-    result = plan.to_json() if hasattr(plan, "to_json") else plan
-    return json.loads(result) if isinstance(result, str | bytes) else result
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from tokenmill.cli import UsageError
     from tokenmill.reports.inputs import InputError
     from tokenmill.reports.overview import OverviewOptions
     from tokenmill.reports.site import build_site
@@ -121,9 +115,9 @@ def run_report(args: argparse.Namespace) -> int:
         if args.run is None:
             raise UsageError("--ladder draws the forecast on the run page: give --run too")
     if args.plan:
-        plan, origin = _load_plan_file(args.plan, "plan"), args.plan
+        plan = _load_plan_file(args.plan, "plan")
     else:
-        plan, origin = _plan_mixture(args.mixture, args.tokens), args.mixture
+        plan = _plan_mixture(args.mixture, args.tokens)
     previous = None
     if args.previous_plan:
         previous = _load_plan_file(args.previous_plan, "previous plan")
@@ -146,7 +140,6 @@ def run_report(args: argparse.Namespace) -> int:
             run=args.run,
             options=options,
             title=args.title,
-            plan_origin=origin,
             ladder=args.ladder,
         )
     except InputError as error:

@@ -1,10 +1,10 @@
-"""Reading what curate, tokenize, the mixture planner and the trainer wrote, for the report pages.
+"""Reading what curate wrote, for the report pages: only what the page needs.
 
-Everything here follows docs/formats.md and reads only what the page needs: per-cell document and
-character counts by source (two Parquet columns), a seeded uniform sample of rows per cell, examples of
-removed documents per reason and of rejected input per error kind, token counts and manifests, and run
-metrics. Sampling is a pure function of (seed, cell or reason, row count), so the same inputs give the
-same page.
+Per-cell document and character counts by source (two Parquet columns), a seeded uniform sample of rows
+per cell, examples of removed documents per reason and of rejected input per error kind (the records
+through tokenmill.formats.rejected). The JSON files (stats.json, counts.json, manifests, the plan, a run's
+metrics and config) are read through tokenmill.formats. Sampling is a pure function of (seed, cell or
+reason, row count), so the same inputs give the same page.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import os
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,8 @@ import pyarrow.parquet as pq
 
 from tokenmill import storage
 from tokenmill.cells import parse_cell
+from tokenmill.errors import FormatError
+from tokenmill.formats.rejected import RejectedRecord, read_rejected
 
 _PARTITION = re.compile(r"(?:^|/)(domain=[^/]+/quality=[^/]+)/[^/]+\.parquet$")
 _REMOVED = re.compile(r"(?:^|/)stage=([^/]+)/reason=([^/]+)/[^/]+\.parquet$")
@@ -217,16 +219,6 @@ def scan_removed(removed_dir: str, *, examples: int, seed: int) -> dict[str, Rem
     return dict(sorted(reasons.items()))
 
 
-def _jsonl_zst_lines(path: str) -> Iterable[tuple[int, bytes]]:
-    import zstandard
-
-    with storage.open_file(path) as handle:
-        reader = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(handle))
-        for number, line in enumerate(reader, start=1):
-            if line.strip():
-                yield number, line
-
-
 def scan_rejected(rejected_dir: str, *, examples: int, seed: int) -> dict[str, dict[str, Any]]:
     """Counts and examples of rejected input per error kind (reservoir sampling, seeded per kind)."""
     kinds: dict[str, dict[str, Any]] = {}
@@ -235,21 +227,9 @@ def scan_rejected(rejected_dir: str, *, examples: int, seed: int) -> dict[str, d
         *storage.expand_glob(storage.join(rejected_dir, "*.jsonl")),
     ]
     for path in sorted(files):
-        lines: Iterable[tuple[int, bytes]]
-        if path.endswith(".zst"):
-            lines = _jsonl_zst_lines(path)
-        else:
-            with storage.open_file(path) as handle:
-                lines = list(
-                    enumerate((line for line in handle.read().splitlines() if line.strip()), start=1)
-                )
         try:
-            for number, line in lines:
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                    raise InputError(f"{path}: line {number} is not JSON ({error})") from error
-                kind = str(record.get("error_kind") or "unknown")
+            for _, record in read_rejected(path):
+                kind = record.error_kind or "unknown"
                 entry = kinds.setdefault(
                     kind, {"documents": 0, "examples": [], "rng": seeded_rng(seed, kind)}
                 )
@@ -262,43 +242,22 @@ def scan_rejected(rejected_dir: str, *, examples: int, seed: int) -> dict[str, d
                     slot = entry["rng"].randrange(entry["documents"])
                     if slot < examples:
                         entry["examples"][slot] = example
-        except Exception as error:  # zstandard raises its own error type for truncated files
-            if isinstance(error, InputError):
-                raise
-            raise InputError(f"{path}: cannot read rejected input ({error})") from error
+        except FormatError as error:
+            raise InputError(str(error)) from error
     for entry in kinds.values():
         entry.pop("rng")
     return dict(sorted(kinds.items()))
 
 
-def _rejected_example(record: dict[str, Any]) -> dict[str, Any]:
-    raw = record.get("raw")
-    encoded = record.get("raw_base64")
+def _rejected_example(record: RejectedRecord) -> dict[str, Any]:
+    raw, encoded = record.raw, record.raw_base64
     return {
-        "file": record.get("file"),
-        "line": record.get("line"),
-        "offset": record.get("offset"),
-        "error": record.get("error"),
-        "raw": raw[:RAW_PREVIEW_BYTES] if isinstance(raw, str) else None,
-        "raw_base64": encoded[:RAW_PREVIEW_BYTES] if isinstance(encoded, str) else None,
-        "raw_truncated": bool(record.get("raw_truncated"))
-        or any(isinstance(v, str) and len(v) > RAW_PREVIEW_BYTES for v in (raw, encoded)),
+        "file": record.file,
+        "line": record.line,
+        "offset": record.offset,
+        "error": record.error,
+        "raw": raw[:RAW_PREVIEW_BYTES] if raw is not None else None,
+        "raw_base64": encoded[:RAW_PREVIEW_BYTES] if encoded is not None else None,
+        "raw_truncated": record.raw_truncated
+        or any(value is not None and len(value) > RAW_PREVIEW_BYTES for value in (raw, encoded)),
     }
-
-
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    """runs/<name>/metrics.jsonl, one object per logged step, in step order."""
-    rows = []
-    with storage.open_file(path, "rb") as handle:
-        for number, line in enumerate(handle.read().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise InputError(f"{path}: line {number} is not JSON ({error})") from error
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise InputError(f"{path}: line {number} has no integer 'step'")
-            rows.append(row)
-    rows.sort(key=lambda r: r["step"])
-    return rows

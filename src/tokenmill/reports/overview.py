@@ -15,18 +15,21 @@ from urllib.parse import urlsplit
 
 from tokenmill import storage
 from tokenmill.cells import QUALITY_BUCKETS, parse_cell
+from tokenmill.errors import FormatError
+from tokenmill.formats.plan import MixturePlan
+from tokenmill.formats.stats import CurateStats, read_stats
+from tokenmill.formats.tokens import COUNTS, TokenCounts, read_counts
 from tokenmill.reports import svg
 from tokenmill.reports.inputs import (
     CellScan,
     CurateLayout,
     InputError,
     cell_files,
-    read_json_file,
     scan_cell,
     scan_rejected,
     scan_removed,
 )
-from tokenmill.reports.plans import cell_allocation, diff_plans
+from tokenmill.reports.plans import cell_allocation, plan_changes
 from tokenmill.units import format_count
 
 QUALITY_COLORS = ("#d7301f", "#fc8d59", "#fdcc8a", "#74a9cf", "#0570b0")  # bucket 0 (low) .. 4 (high)
@@ -83,31 +86,40 @@ def _sample(row: dict[str, Any], cell: str, limit: int) -> dict[str, Any]:
     }
 
 
-def _manifest_path(tokens_dir: str, cell: str, entry: dict[str, Any]) -> str:
-    relative = entry.get("manifest") or f"{cell}/manifest.json"
-    return storage.join(tokens_dir, *str(relative).split("/"))
-
-
-def load_counts(tokens_dir: str) -> dict[str, Any]:
-    counts = read_json_file(storage.join(tokens_dir, "counts.json"), "token counts (counts.json)")
-    if not isinstance(counts, dict) or not isinstance(counts.get("cells"), dict):
-        raise InputError(
-            f"{storage.join(tokens_dir, 'counts.json')}: no 'cells' object (see docs/formats.md)"
-        )
-    for cell in counts["cells"]:
+def read_token_counts(tokens_dir: str) -> TokenCounts:
+    """tokenize's counts.json in `tokens_dir`; InputError names the file and the field that is wrong, and a
+    cell name that is not `domain=<d>/quality=<q>`."""
+    path = storage.join(tokens_dir, COUNTS)
+    if not storage.exists(path):
+        raise InputError(f"{tokens_dir}: no counts.json here (expected the tokenize output folder)")
+    try:
+        counts = read_counts(path)
+    except FormatError as error:
+        raise InputError(str(error)) from error
+    for cell in counts.cells:
         try:
             parse_cell(cell)
         except ValueError as error:
-            raise InputError(f"{storage.join(tokens_dir, 'counts.json')}: {error}") from error
+            raise InputError(f"{path}: {error}") from error
     return counts
+
+
+def read_curate_stats(path: str) -> CurateStats | None:
+    """curate's stats.json, or None where there is none (the page then counts what the folders hold)."""
+    if not storage.exists(path):
+        return None
+    try:
+        return read_stats(path)
+    except FormatError as error:
+        raise InputError(str(error)) from error
 
 
 def build_overview(
     layout: CurateLayout,
     tokens_dir: str,
-    counts: dict[str, Any],
-    plan: dict[str, Any],
-    previous_plan: dict[str, Any] | None,
+    counts: TokenCounts,
+    plan: MixturePlan,
+    previous_plan: MixturePlan | None,
     options: OverviewOptions,
 ) -> dict[str, Any]:
     """Everything the index page shows, as template context; `context["data"]` is published as JSON."""
@@ -116,7 +128,7 @@ def build_overview(
         cell: scan_cell(cell, paths, samples=options.samples_per_cell, seed=options.seed)
         for cell, paths in files.items()
     }
-    cell_tokens = {cell: int(entry.get("tokens", 0)) for cell, entry in sorted(counts["cells"].items())}
+    cell_tokens = {cell: entry.tokens for cell, entry in sorted(counts.cells.items())}
     all_cells = sorted(set(scans) | set(cell_tokens))
     total_tokens = sum(cell_tokens.values())
 
@@ -139,9 +151,13 @@ def build_overview(
             if cell is None:
                 continue
             scan = scans.get(cell, CellScan(cell=cell))
-            count_entry = counts["cells"].get(cell, {})
+            count_entry = counts.cells.get(cell)
             tokens_in_cell = cell_tokens.get(cell, 0)
-            docs_in_cell = int(count_entry.get("documents", scan.documents))
+            docs_in_cell = (
+                count_entry.documents
+                if count_entry is not None and count_entry.documents is not None
+                else scan.documents
+            )
             documents += docs_in_cell
             for source, count in scan.sources.items():
                 all_sources.add(source)
@@ -152,8 +168,8 @@ def build_overview(
                 if scan.characters:
                     total["tokens"] += tokens_in_cell * count.characters / scan.characters
             manifest = ""
-            if cell in counts["cells"]:
-                source_path = _manifest_path(tokens_dir, cell, count_entry)
+            if count_entry is not None:
+                source_path = storage.join(tokens_dir, *counts.manifest_path(cell).split("/"))
                 if storage.exists(source_path):
                     manifest = f"data/tokens/{cell}/manifest.json"
                     manifests[cell] = source_path
@@ -169,7 +185,7 @@ def build_overview(
                     "characters": scan.characters,
                     "share": percent(tokens_in_cell, tokens),
                     "manifest": manifest,
-                    "in_counts": cell in counts["cells"],
+                    "in_counts": count_entry is not None,
                     "in_curated": cell in scans,
                     "samples": [_sample(row, cell, options.preview_chars) for row in scan.samples],
                 }
@@ -254,22 +270,20 @@ def build_overview(
     headline = {
         "tokens": total_tokens,
         "tokens_text": format_count(total_tokens),
-        "documents": int(
-            counts.get("total_documents", sum(int(e.get("documents", 0)) for e in counts["cells"].values()))
+        "documents": (
+            counts.total_documents
+            if counts.total_documents is not None
+            else sum(entry.documents or 0 for entry in counts.cells.values())
         ),
         "sources": len(all_sources),
         "domains": len(cards),
         "cells": len([c for c in all_cells if cell_tokens.get(c, 0) > 0]),
         "quality_buckets": len(present_qualities),
         "quality_list": ", ".join(str(q) for q in present_qualities),
-        "tokenizer": counts.get("tokenizer") or {},
+        "tokenizer": counts.tokenizer.to_json() if counts.tokenizer else {},
     }
 
-    stats = (
-        read_json_file(layout.stats, "curate statistics (stats.json)")
-        if storage.exists(layout.stats)
-        else None
-    )
+    stats = read_curate_stats(layout.stats)
     removed = scan_removed(layout.removed, examples=options.removed_examples, seed=options.seed)
     rejected = scan_rejected(layout.rejected, examples=options.rejected_examples, seed=options.seed)
     funnel = build_funnel(stats, removed, rejected, options)
@@ -328,18 +342,23 @@ def build_overview(
     }
 
 
-def _contamination(stats: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Documents matched per evaluation set by the decontam stage (stats.json: stages.decontam)."""
-    decontam = ((stats or {}).get("stages") or {}).get("decontam") or {}
+def _contamination(stats: CurateStats | None) -> list[dict[str, Any]]:
+    """Documents matched per evaluation set (benchmark) by the decontam stage (stats.json:
+    stages.decontam), with how each matched: `verbatim`, `edited` (most of an item, a few words changed)
+    or `partial` (a long passage quoted in part); docs/decontam.md."""
+    decontam = (stats.stages.get("decontam") if stats else None) or {}
     checked = int(decontam.get("documents", 0))
-    return [
-        {"eval_set": name, "documents": int(entry.get("documents", 0)), "checked": checked}
-        for name, entry in sorted((decontam.get("eval_sets") or {}).items())
-    ]
+    rows = []
+    for name, entry in sorted((decontam.get("eval_sets") or {}).items()):
+        documents = int(entry.get("documents", 0))
+        share = f"{100 * documents / checked:.2g}%" if checked else "–"  # tiny shares keep their digits
+        kinds = {kind: int(entry.get(kind, 0)) for kind in ("verbatim", "edited", "partial")}
+        rows.append({"eval_set": name, "documents": documents, "share": share, "checked": checked, **kinds})
+    return rows
 
 
 def build_funnel(
-    stats: dict[str, Any] | None,
+    stats: CurateStats | None,
     removed: dict[str, Any],
     rejected: dict[str, dict[str, Any]],
     options: OverviewOptions,
@@ -347,22 +366,20 @@ def build_funnel(
     """Documents and tokens after each stage, removals by reason with examples, rejected input by kind."""
     stages = []
     if stats:
-        read_docs = int((stats.get("read") or {}).get("documents", 0))
         previous = None
-        for stage in stats.get("funnel") or []:
-            documents = int(stage.get("documents", 0))
+        for stage in stats.funnel:
             stages.append(
                 {
-                    "stage": str(stage.get("stage")),
-                    "documents": documents,
-                    "characters": int(stage.get("characters", 0)),
-                    "tokens_estimated": int(stage.get("tokens_estimated", 0)),
-                    "tokens_text": format_count(int(stage.get("tokens_estimated", 0))),
-                    "share": percent(documents, read_docs),
-                    "dropped": None if previous is None else previous - documents,
+                    "stage": stage.stage,
+                    "documents": stage.documents,
+                    "characters": stage.characters,
+                    "tokens_estimated": stage.tokens_estimated,
+                    "tokens_text": format_count(stage.tokens_estimated),
+                    "share": percent(stage.documents, stats.read.documents),
+                    "dropped": None if previous is None else previous - stage.documents,
                 }
             )
-            previous = documents
+            previous = stage.documents
     chart = (
         svg.bar_chart(
             [
@@ -375,21 +392,22 @@ def build_funnel(
         if stages
         else None
     )
-    by_reason = dict((stats or {}).get("removed_by_reason") or {})
+    by_reason = stats.removed_by_reason if stats else {}
     reasons = []
     for key in sorted(set(by_reason) | set(removed)):
-        counted = by_reason.get(key) or {}
+        counted = by_reason.get(key)
         scanned = removed.get(key)
         stage, _, reason = key.partition("/")
+        tokens_estimated = counted.tokens_estimated if counted else 0
         reasons.append(
             {
                 "key": key,
                 "anchor": "removed-" + "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in key),
-                "stage": counted.get("stage", stage),
-                "reason": counted.get("reason", reason),
-                "documents": int(counted.get("documents", scanned.documents if scanned else 0)),
-                "tokens_estimated": int(counted.get("tokens_estimated", 0)),
-                "tokens_text": format_count(int(counted.get("tokens_estimated", 0))),
+                "stage": counted.stage if counted else stage,
+                "reason": counted.reason if counted else reason,
+                "documents": counted.documents if counted else (scanned.documents if scanned else 0),
+                "tokens_estimated": tokens_estimated,
+                "tokens_text": format_count(tokens_estimated),
                 "examples": [
                     {
                         **_sample(row, "", options.preview_chars),
@@ -400,14 +418,14 @@ def build_funnel(
             }
         )
     reasons.sort(key=lambda r: (-r["documents"], r["key"]))
-    by_error = dict((stats or {}).get("rejected_by_error") or {})
+    by_error = stats.rejected_by_error if stats else {}
     rejected_rows = []
     for kind in sorted(set(by_error) | set(rejected)):
         scanned = rejected.get(kind) or {}
         rejected_rows.append(
             {
                 "kind": kind,
-                "documents": int((by_error.get(kind) or {}).get("documents", scanned.get("documents", 0))),
+                "documents": by_error[kind].documents if kind in by_error else scanned.get("documents", 0),
                 "examples": [
                     {
                         **e,
@@ -420,16 +438,21 @@ def build_funnel(
     rejected_rows.sort(key=lambda r: (-r["documents"], r["kind"]))
     totals = {}
     if stats:
-        for key in ("read", "kept", "removed", "rejected"):
-            entry = stats.get(key) or {}
+        for key, entry in (
+            ("read", stats.read),
+            ("kept", stats.kept),
+            ("removed", stats.removed),
+            ("rejected", stats.rejected),
+        ):
+            tokens = getattr(entry, "tokens_estimated", 0)  # rejected input has no text to count
             totals[key] = {
-                "documents": int(entry.get("documents", 0)),
-                "tokens_estimated": int(entry.get("tokens_estimated", 0)),
-                "tokens_text": format_count(int(entry.get("tokens_estimated", 0))),
+                "documents": entry.documents,
+                "tokens_estimated": tokens,
+                "tokens_text": format_count(tokens),
             }
     sources = [
-        {"name": name, **{k: int(v.get(k, 0)) for k in ("read", "kept", "removed", "rejected")}}
-        for name, v in sorted(((stats or {}).get("sources") or {}).items())
+        {"name": name, **outcomes.to_json()}
+        for name, outcomes in sorted((stats.sources if stats else {}).items())
     ]
     return {
         "present": stats is not None,
@@ -439,10 +462,10 @@ def build_funnel(
         "rejected": rejected_rows,
         "contamination": _contamination(stats),
         "totals": totals,
-        "balanced": None if stats is None else bool(stats.get("balanced")),
+        "balanced": None if stats is None else stats.balanced,
         "sources": sources,
-        "recipe": (stats or {}).get("recipe"),
-        "chars_per_token": (stats or {}).get("chars_per_token"),
+        "recipe": stats.recipe if stats else None,
+        "chars_per_token": stats.chars_per_token if stats else None,
     }
 
 
@@ -468,38 +491,37 @@ def _fmt_number(value: Any) -> str:
 
 
 def build_mixture(
-    plan: dict[str, Any], previous: dict[str, Any] | None, cell_tokens: dict[str, int]
+    plan: MixturePlan, previous: MixturePlan | None, cell_tokens: dict[str, int]
 ) -> dict[str, Any]:
     """Phases with their budgets and boundaries, per-source and per-cell tables, and the diff."""
     phases = []
-    for i, phase in enumerate(plan["phases"]):
+    for i, phase in enumerate(plan.phases):
         sources = []
-        for j, source in enumerate(phase["sources"]):
-            epochs = float(source.get("epochs") or 0.0)
+        for j, source in enumerate(phase.sources):
             sources.append(
                 {
-                    "name": str(source["name"]),
-                    "cells": [str(c) for c in source["cells"]],
-                    "weight": float(source["weight"]),
-                    "weight_text": f"{100 * float(source['weight']):.2f}%",
-                    "tokens": int(source["tokens"]),
-                    "tokens_text": format_count(int(source["tokens"])),
-                    "available_text": format_count(int(source["tokens_available"])),
-                    "epochs": epochs,
-                    "epochs_text": f"{epochs:.2f}",
-                    "repeated": epochs > 1.0,
+                    "name": source.name,
+                    "cells": list(source.cells),
+                    "weight": source.weight,
+                    "weight_text": f"{100 * source.weight:.2f}%",
+                    "tokens": source.tokens,
+                    "tokens_text": format_count(source.tokens),
+                    "available_text": format_count(source.tokens_available),
+                    "epochs": source.epochs,
+                    "epochs_text": f"{source.epochs:.2f}",
+                    "repeated": source.epochs > 1.0,
                     "color": svg.category_color(j),
                 }
             )
         phases.append(
             {
                 "index": i,
-                "name": str(phase["name"]),
-                "tokens_text": format_count(int(phase["tokens"])),
-                "share": percent(int(phase["tokens"]), int(plan.get("total_tokens") or 0)),
-                "steps": int(phase["steps"]),
-                "start_step": int(phase["start_step"]),
-                "end_step": int(phase["end_step"]),
+                "name": phase.name,
+                "tokens_text": format_count(phase.tokens),
+                "share": percent(phase.tokens, plan.total_tokens),
+                "steps": phase.steps,
+                "start_step": phase.start_step,
+                "end_step": phase.end_step,
                 "sources": sources,
                 "bar": svg.stacked_bar(
                     [svg.Segment(s["name"], s["weight"], s["weight_text"], s["color"]) for s in sources],
@@ -539,7 +561,7 @@ def build_mixture(
     unused = [c for c in sorted(cell_tokens) if c not in allocation and cell_tokens[c] > 0]
     diff = None
     if previous is not None:
-        raw = diff_plans(previous, plan)
+        raw = plan_changes(previous, plan)
         diff = {
             "changed": raw["changed"],
             "settings": [
@@ -572,20 +594,20 @@ def build_mixture(
                 }
                 for p in raw["phases"]
             ],
-            "previous_name": previous.get("name"),
+            "previous_name": previous.name,
         }
     return {
-        "name": plan.get("name"),
-        "tokenizer": plan.get("tokenizer"),
-        "total_tokens_text": format_count(int(plan.get("total_tokens") or 0)),
-        "sequence_length": plan.get("sequence_length"),
-        "batch_size": plan.get("batch_size"),
-        "block_size": plan.get("block_size"),
-        "tokens_per_step": plan.get("tokens_per_step"),
-        "total_steps": int(plan.get("total_steps") or max((p["end_step"] for p in phases), default=0)),
-        "description": plan.get("description"),
-        "warnings": [str(w) for w in plan.get("warnings") or []],
-        "illustrative": bool(plan.get("illustrative")),
+        "name": plan.name,
+        "tokenizer": plan.tokenizer,
+        "total_tokens_text": format_count(plan.total_tokens),
+        "sequence_length": plan.sequence_length,
+        "batch_size": plan.batch_size,
+        "block_size": plan.block_size,
+        "tokens_per_step": plan.tokens_per_step,
+        "total_steps": plan.total_steps or max((p["end_step"] for p in phases), default=0),
+        "description": plan.description,
+        "warnings": list(plan.warnings),
+        "illustrative": bool(plan.illustrative),
         "phases": phases,
         "phase_names": phase_names,
         "timeline": timeline,

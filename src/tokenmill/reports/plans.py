@@ -1,50 +1,20 @@
-"""The mixture plan as the report sees it: a JSON dict in the docs/formats.md "Mixture plan" shape.
+"""The mixture plan as the page shows it: each source's tokens spread over its cells, and what changed since
+a previous plan, as table rows.
 
-The report works on the plan dict rather than on `tokenmill.mixtures` objects, so that a page can be built
-from a saved plan (`--plan`) and so that this package does not depend on the planner's internals. This
-module checks the dict, spreads each source's tokens over its cells, and compares two revisions.
+The plan is a `tokenmill.formats.plan.MixturePlan`, read from a saved plan (`--plan`) or made by the
+planner (`--mixture`); the comparison is the planner's own (`tokenmill.mixtures.diff.diff_plans`, what
+`tokenmill mixture diff` prints), laid out for the page.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from tokenmill.reports.inputs import InputError
-
-PHASE_FIELDS = ("name", "tokens", "steps", "start_step", "end_step", "sources")
-SOURCE_FIELDS = ("name", "cells", "weight", "tokens", "tokens_available", "epochs")
+from tokenmill.formats.plan import MixturePlan
+from tokenmill.mixtures.diff import diff_plans
 
 
-def validate_plan(plan: Any, origin: str) -> dict[str, Any]:
-    """Refuse a plan that lacks the fields the page reads, naming the first one missing."""
-    if not isinstance(plan, dict):
-        raise InputError(f"{origin}: a mixture plan must be a JSON object")
-    phases = plan.get("phases")
-    if not isinstance(phases, list) or not phases:
-        raise InputError(f"{origin}: the mixture plan has no 'phases' list")
-    for i, phase in enumerate(phases):
-        if not isinstance(phase, dict):
-            raise InputError(f"{origin}: phases[{i}] is not an object")
-        for key in PHASE_FIELDS:
-            if key not in phase:
-                raise InputError(f"{origin}: phases[{i}] has no '{key}'")
-        if not isinstance(phase["sources"], list):
-            raise InputError(f"{origin}: phases[{i}].sources is not a list")
-        for j, source in enumerate(phase["sources"]):
-            if not isinstance(source, dict):
-                raise InputError(f"{origin}: phases[{i}].sources[{j}] is not an object")
-            for key in SOURCE_FIELDS:
-                if key not in source:
-                    raise InputError(f"{origin}: phases[{i}].sources[{j}] has no '{key}'")
-            if not isinstance(source["cells"], list):
-                raise InputError(f"{origin}: phases[{i}].sources[{j}].cells is not a list")
-    return plan
-
-
-def cell_allocation(
-    plan: dict[str, Any], cell_tokens: dict[str, int]
-) -> dict[str, dict[str, dict[str, float]]]:
+def cell_allocation(plan: MixturePlan, cell_tokens: dict[str, int]) -> dict[str, dict[str, dict[str, float]]]:
     """Per cell, per phase: weight, tokens and epochs.
 
     Inside a source the sampler draws sequence windows uniformly, so each of a source's cells contributes in
@@ -52,105 +22,83 @@ def cell_allocation(
     A cell whose source has no tokens yet (planned before the data exists) gets an equal share.
     """
     result: dict[str, dict[str, dict[str, float]]] = {}
-    for phase in plan["phases"]:
-        for source in phase["sources"]:
-            cells = [str(c) for c in source["cells"]]
-            available = [max(0, int(cell_tokens.get(c, 0))) for c in cells]
+    for phase in plan.phases:
+        for source in phase.sources:
+            available = [max(0, int(cell_tokens.get(cell, 0))) for cell in source.cells]
             total = sum(available)
-            for cell, tokens in zip(cells, available, strict=True):
-                share = tokens / total if total else 1 / len(cells)
+            for cell, tokens in zip(source.cells, available, strict=True):
+                share = tokens / total if total else 1 / len(source.cells)
                 entry = result.setdefault(cell, {}).setdefault(
-                    phase["name"], {"weight": 0.0, "tokens": 0.0, "epochs": 0.0, "tokens_available": 0.0}
+                    phase.name, {"weight": 0.0, "tokens": 0.0, "epochs": 0.0, "tokens_available": 0.0}
                 )
-                entry["weight"] += float(source["weight"]) * share
-                entry["tokens"] += float(source["tokens"]) * share
+                entry["weight"] += source.weight * share
+                entry["tokens"] += source.tokens * share
                 entry["tokens_available"] = float(tokens)
-                entry["epochs"] = entry["tokens"] / tokens if tokens else float(source.get("epochs") or 0.0)
+                entry["epochs"] = entry["tokens"] / tokens if tokens else source.epochs
     return dict(sorted(result.items()))
 
 
-def _changed(old: Any, new: Any) -> bool:
-    if isinstance(old, float | int) and isinstance(new, float | int):
-        return not math.isclose(float(old), float(new), rel_tol=1e-9, abs_tol=1e-12)
-    return old != new
+def _current_first(before: list[str], now: list[str]) -> list[str]:
+    """The names in `now`'s order, then those only in `before`."""
+    return [*now, *(name for name in before if name not in now)]
 
 
-def diff_plans(previous: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
-    """What changed from `previous` to `current`: top-level settings, phases and their sources.
+#: A source's changes the page lists, in this order (a change of block_sequences shows as one of weight).
+SOURCE_FIELDS = ("weight", "tokens", "epochs", "tokens_available")
 
-    Phases and sources are matched by name. Every entry carries a status (added, removed, changed,
-    unchanged) and, where both sides exist, (old, new) pairs for the fields that differ.
-    """
-    settings = [
-        {"field": key, "old": previous.get(key), "new": current.get(key)}
-        for key in sorted(set(previous) | set(current))
-        if key != "phases"
-        and not isinstance(previous.get(key), dict | list)
-        and not isinstance(current.get(key), dict | list)
-        and _changed(previous.get(key), current.get(key))
-    ]
-    old_phases = {p["name"]: p for p in previous.get("phases", [])}
-    new_phases = {p["name"]: p for p in current.get("phases", [])}
-    order = [p["name"] for p in current.get("phases", [])] + [
-        p["name"] for p in previous.get("phases", []) if p["name"] not in new_phases
-    ]
-    phases = []
-    for name in order:
-        old, new = old_phases.get(name), new_phases.get(name)
-        if old is None or new is None:
-            phase = old or new or {}
-            phases.append(
+
+def _fields(changes: dict[str, list[Any]], names: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    shown = [name for name in names if name in changes] if names is not None else list(changes)
+    return [{"field": name, "old": changes[name][0], "new": changes[name][1]} for name in shown]
+
+
+def _source_rows(sources: list[dict[str, Any]], order: list[str]) -> list[dict[str, Any]]:
+    by_name = {source["name"]: source for source in sources}
+    rows = []
+    for name in _current_first(list(by_name), order):
+        if name in by_name:
+            source = by_name[name]
+            whole = source["status"] in ("added", "removed")
+            rows.append(
                 {
                     "name": name,
-                    "status": "added" if old is None else "removed",
-                    "fields": [],
-                    "sources": [
-                        {"name": s["name"], "status": "added" if old is None else "removed", "fields": []}
-                        for s in phase.get("sources", [])
-                    ],
+                    "status": source["status"],
+                    "fields": [] if whole else _fields(source["changes"], SOURCE_FIELDS),
                 }
             )
+    return rows
+
+
+def plan_changes(previous: MixturePlan, current: MixturePlan) -> dict[str, Any]:
+    """What changed from `previous` to `current`, as the page's rows.
+
+    `settings`: the run's fields that differ; `phases`: every phase of either plan (the current plan's
+    order, then removed ones), each `added`, `removed`, `changed` or `unchanged`, with the fields that
+    differ and its sources that were added, removed or changed (again the current order first);
+    `changed`: whether anything did.
+    """
+    diff = diff_plans(previous, current)
+    by_name = {phase["name"]: phase for phase in diff["phases"]}
+    now = {phase.name: phase for phase in current.phases}
+    phases = []
+    for name in _current_first([phase.name for phase in previous.phases], list(now)):
+        phase = by_name.get(name)
+        if phase is None:
+            phases.append({"name": name, "status": "unchanged", "fields": [], "sources": []})
             continue
-        fields = [
-            {"field": key, "old": old.get(key), "new": new.get(key)}
-            for key in ("tokens", "steps", "start_step", "end_step")
-            if _changed(old.get(key), new.get(key))
-        ]
-        old_sources = {s["name"]: s for s in old["sources"]}
-        new_sources = {s["name"]: s for s in new["sources"]}
-        sources = []
-        for source_name in [s["name"] for s in new["sources"]] + [
-            s["name"] for s in old["sources"] if s["name"] not in new_sources
-        ]:
-            a, b = old_sources.get(source_name), new_sources.get(source_name)
-            if a is None or b is None:
-                sources.append(
-                    {"name": source_name, "status": "added" if a is None else "removed", "fields": []}
-                )
-                continue
-            source_fields = [
-                {"field": key, "old": a.get(key), "new": b.get(key)}
-                for key in ("weight", "tokens", "epochs", "tokens_available", "cells")
-                if _changed(a.get(key), b.get(key))
-            ]
-            sources.append(
-                {
-                    "name": source_name,
-                    "status": "changed" if source_fields else "unchanged",
-                    "fields": source_fields,
-                }
-            )
-        changed = bool(fields) or any(s["status"] != "unchanged" for s in sources)
+        order = [source.name for source in now[name].sources] if name in now else []
+        whole = phase["status"] in ("added", "removed")
         phases.append(
             {
                 "name": name,
-                "status": "changed" if changed else "unchanged",
-                "fields": fields,
-                "sources": sources,
+                "status": phase["status"],
+                "fields": [] if whole else _fields(phase["changes"]),
+                "sources": _source_rows(phase["sources"], order),
             }
         )
+    settings = _fields(dict(sorted(diff["fields"].items())))
     return {
         "settings": settings,
         "phases": phases,
-        "changed": bool(settings) or any(p["status"] != "unchanged" for p in phases),
+        "changed": bool(settings) or any(phase["status"] != "unchanged" for phase in phases),
     }

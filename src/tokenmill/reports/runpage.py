@@ -13,8 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill import storage
+from tokenmill.errors import FormatError
+from tokenmill.formats.runs import CONFIG, METRICS, read_metrics, read_run_record
 from tokenmill.reports import svg
-from tokenmill.reports.inputs import InputError, read_json_file, read_metrics
+from tokenmill.reports.inputs import InputError, read_json_file
 from tokenmill.units import format_count
 
 MAX_LAYER_SERIES = 8
@@ -97,14 +99,18 @@ def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
 
     ladder_path: a `tokenmill ladder fit` output; by default the run folder's own ladder.json, if any.
     """
-    metrics_path = storage.join(run_dir, "metrics.jsonl")
+    metrics_path = storage.join(run_dir, METRICS)
     if not storage.exists(metrics_path):
         raise InputError(f"{metrics_path}: no metrics.jsonl in the run folder")
-    rows = read_metrics(metrics_path)
+    config_path = storage.join(run_dir, CONFIG)
+    try:
+        # Rows as JSON objects: the page draws a chart per key, whatever keys a run logged.
+        rows = [row.to_json() for row in read_metrics(metrics_path)]
+        config = read_run_record(config_path).to_json() if storage.exists(config_path) else None
+    except FormatError as error:
+        raise InputError(str(error)) from error
     if not rows:
         raise InputError(f"{metrics_path}: no metrics logged")
-    config_path = storage.join(run_dir, "config.json")
-    config = read_json_file(config_path, "run config") if storage.exists(config_path) else None
     vlines = phase_lines(rows)
     step = svg.Axis("step")
     charts = []

@@ -22,9 +22,10 @@ from typing import Any
 import jinja2
 
 from tokenmill import __version__, storage
+from tokenmill.formats.plan import MixturePlan
+from tokenmill.formats.tokens import COUNTS
 from tokenmill.reports.inputs import InputError, locate_curate_output
-from tokenmill.reports.overview import OverviewOptions, build_overview, load_counts
-from tokenmill.reports.plans import validate_plan
+from tokenmill.reports.overview import OverviewOptions, build_overview, read_token_counts
 from tokenmill.reports.runpage import build_run
 
 GENERATOR = "tokenmill report"
@@ -108,13 +109,12 @@ def build_site(
     *,
     curated: str,
     tokens: str,
-    plan: dict[str, Any],
+    plan: MixturePlan,
     output: str,
-    previous_plan: dict[str, Any] | None = None,
+    previous_plan: MixturePlan | None = None,
     run: str | None = None,
     options: OverviewOptions | None = None,
     title: str = "Data overview",
-    plan_origin: str = "mixture plan",
     ladder: str | None = None,
 ) -> SiteResult:
     """Build the site into `output` and return the files written with their sizes.
@@ -125,14 +125,9 @@ def build_site(
     if ladder and not run:
         raise InputError(f"{ladder}: a ladder forecast is drawn on the run page; give --run too")
     options = options or OverviewOptions()
-    validate_plan(plan, plan_origin)
-    if previous_plan is not None:
-        validate_plan(previous_plan, "previous mixture plan")
     _check_output(output)
     layout = locate_curate_output(curated)
-    if not storage.exists(storage.join(tokens, "counts.json")):
-        raise InputError(f"{tokens}: no counts.json here (expected the tokenize output folder)")
-    counts = load_counts(tokens)
+    counts = read_token_counts(tokens)
     overview = build_overview(layout, tokens, counts, plan, previous_plan, options)
     run_page = build_run(run, ladder) if run else None
 
@@ -154,7 +149,7 @@ def build_site(
     # Copied byte for byte, so that a reader can compare them with the originals.
     publish(
         "data/tokens/counts.json",
-        _read_bytes(storage.join(tokens, "counts.json")),
+        _read_bytes(storage.join(tokens, COUNTS)),
         "token counts per cell",
         "tokens",
     )
@@ -164,10 +159,13 @@ def build_site(
         publish(
             "data/curate/stats.json", _read_bytes(overview["stats_path"]), "curation statistics", "curate"
         )
-    publish("data/mixture/plan.json", _json_bytes(plan), "mixture plan", "mixture")
+    publish("data/mixture/plan.json", _json_bytes(plan.to_json()), "mixture plan", "mixture")
     if previous_plan is not None:
         publish(
-            "data/mixture/previous-plan.json", _json_bytes(previous_plan), "previous mixture plan", "mixture"
+            "data/mixture/previous-plan.json",
+            _json_bytes(previous_plan.to_json()),
+            "previous mixture plan",
+            "mixture",
         )
     samples = b"".join(
         (json.dumps(sample, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")

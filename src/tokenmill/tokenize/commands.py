@@ -76,8 +76,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Tokenize every curated cell (curated/domain=<d>/quality=<q>/*.parquet) with a Hugging Face "
             "tokenizer.json: one token shard per Parquet file (part-<n>.bin/.idx, uint16 when the vocabulary "
             "fits, else uint32, end-of-text after each document), a manifest.json per cell, then "
-            "tokens/counts.json. Resumable: a rerun keeps shards that are complete and verified and redoes "
-            "the rest. See docs/tokenize.md."
+            "tokens/counts.json. Resumable: a rerun with --resume keeps shards that are complete and "
+            "verified and redoes the rest; --overwrite starts over. See docs/tokenize.md."
         ),
     )
     tokenize.add_argument("--input", required=True, help="curated/ folder (output of `tokenmill curate`)")
@@ -109,6 +109,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds between progress lines on a local run (0: none; default 30)",
     )
+    rerun = tokenize.add_mutually_exclusive_group()
+    rerun.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish or redo an earlier run in --output: keep its shards that are complete and verified for "
+        "this input and tokenizer, tokenize the rest (refused if it holds shards this run would not write)",
+    )
+    rerun.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an earlier run's files in --output (counts.json, cell folders' shards, markers, "
+        "manifests) before this run; without --resume or --overwrite such a folder is refused",
+    )
     add_runner_arguments(tokenize)
     for action in tokenize._actions:
         if action.dest == "workers":
@@ -121,7 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _load(path: str, name: str | None, eos_token: str | None):
-    from tokenmill.cli import UsageError
+    from tokenmill.errors import UsageError
     from tokenmill.tokenize.tokenizer import TokenizerError, load_tokenizer
 
     try:
@@ -143,7 +156,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from tokenmill.cli import UsageError
+    from tokenmill.errors import UsageError
     from tokenmill.tokenize.tokenizer import (
         curated_parquet_files,
         describe,
@@ -211,7 +224,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from tokenmill.cli import UsageError
+    from tokenmill.errors import UsageError
 
     if args.runner == "dataflow":
         local = [flag for flag in ("input", "output", "tokenizer") if storage.is_local(getattr(args, flag))]
@@ -226,11 +239,11 @@ def _tokenize(args: argparse.Namespace) -> int:
         raise UsageError("--batch-documents must be positive")
     _, info = _load(args.tokenizer, args.tokenizer_name, args.eos_token)
 
-    from tokenmill.pipelines.tokenize import InputError, run_tokenize
+    from tokenmill.pipelines.tokenize import TokenizeError, run_tokenize
 
     try:
         summary = run_tokenize(args, args.tokenizer, info)
-    except InputError as error:
+    except TokenizeError as error:
         raise UsageError(str(error)) from error
     if getattr(args, "dry_run", False):
         print("dry run: the job graph was built and validated, nothing was submitted")

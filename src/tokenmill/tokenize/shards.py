@@ -4,10 +4,11 @@ Layout (docs/formats.md, "Token shards"): per cell, `part-<n>.bin` (token ids, d
 end-of-text), `part-<n>.idx` (uint64 end offset of each document), `manifest.json`; `tokens/counts.json`
 over all cells. `TokenShards` opens one cell, `TokenCatalog` the whole folder through counts.json.
 
-Reading fails fast: a manifest of another format version, shards made with another tokenizer than the
-caller expects, a missing or wrongly sized file, or (with verification) a checksum mismatch all raise a
-`ShardError` that names the file and both values. This module needs only numpy: the trainer and the
-reports import it, never Beam or the tokenizer library.
+Reading fails fast: a manifest or counts.json that breaks its format (tokenmill.formats.tokens reads
+them), shards made with another tokenizer than the caller expects, a missing or wrongly sized file, or
+(with verification) a checksum mismatch all raise a `ShardError` that names the file and both values. This
+module needs only numpy and the format records: the trainer and the reports import it, never Beam or the
+tokenizer library.
 """
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ from typing import Any
 import numpy as np
 
 from tokenmill import storage
+from tokenmill.errors import FormatError
+from tokenmill.formats.tokens import (
+    COUNTS,
+    MANIFEST,
+    CellManifest,
+    TokenCounts,
+    TokenizerEntry,
+    read_counts,
+    read_manifest,
+)
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-COUNTS = "counts.json"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 INDEX_DTYPE = np.dtype("<u8")
 _HASH_CHUNK = 8 << 20
@@ -39,13 +47,6 @@ class ShardChecksumError(ShardError):
 
 def shard_name(index: int) -> str:
     return f"part-{index:05d}"
-
-
-def check_format_version(found: Any, where: str) -> None:
-    if found != FORMAT_VERSION:
-        raise ShardError(
-            f"{where}: token shard format version {found!r}, but this reader expects {FORMAT_VERSION}"
-        )
 
 
 def check_tokenizer(found: str, expected: str | None, where: str, name: str = "") -> None:
@@ -74,6 +75,21 @@ def _map(path: str, dtype: np.dtype, count: int) -> np.ndarray:
     return np.memmap(local, dtype=dtype, mode="r", shape=(count,))
 
 
+def catalog_tokenizer(counts: TokenCounts, path: str) -> TokenizerEntry:
+    """The tokenizer of a catalog that shards are read through, which must give what `tokenize` writes:
+    hand-written catalogs for planning may give the cells' tokens alone, a catalog of shards may not."""
+    missing = [
+        name for name in ("tokenizer", "total_tokens", "total_documents") if getattr(counts, name) is None
+    ]
+    missing += [f"cells.{cell}.documents" for cell, entry in counts.cells.items() if entry.documents is None]
+    if counts.tokenizer is None or missing:
+        raise ShardError(
+            f"{path}: no {', '.join(missing[:3])} (not a catalog of token shards written by "
+            "`tokenmill tokenize`)"
+        )
+    return counts.tokenizer
+
+
 class TokenShards:
     """One cell's token shards, memory-mapped: document i, or any token range of the cell's stream.
 
@@ -91,22 +107,21 @@ class TokenShards:
             raise ShardError(
                 f"{manifest_path}: missing (not a token cell, or its tokenize run did not finish)"
             )
-        self.manifest: dict[str, Any] = storage.read_json(manifest_path)
-        check_format_version(self.manifest.get("format_version"), manifest_path)
-        tokenizer = self.manifest["tokenizer"]
-        check_tokenizer(
-            tokenizer["sha256"], expected_tokenizer_sha256, manifest_path, tokenizer.get("name", "")
-        )
-        dtype_name = self.manifest["dtype"]
-        if dtype_name not in DTYPES:
-            raise ShardError(f"{manifest_path}: dtype {dtype_name!r}, expected one of {', '.join(DTYPES)}")
-        self.cell: str = self.manifest.get("cell", "")
-        self.dtype: np.dtype = DTYPES[dtype_name]
-        self.eos_id: int = int(self.manifest["eos_id"])
-        self.tokenizer_sha256: str = tokenizer["sha256"]
-        self.tokenizer_name: str = tokenizer.get("name", "")
-        self.vocab_size: int = int(tokenizer["vocab_size"])
-        self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
+        try:
+            self.manifest: CellManifest = read_manifest(manifest_path)
+        except FormatError as error:
+            raise ShardError(str(error)) from error
+        tokenizer = self.manifest.tokenizer
+        check_tokenizer(tokenizer.sha256, expected_tokenizer_sha256, manifest_path, tokenizer.name)
+        self.cell: str = self.manifest.cell
+        self.dtype: np.dtype = DTYPES[self.manifest.dtype]
+        self.eos_id: int = self.manifest.eos_id
+        self.tokenizer_sha256: str = tokenizer.sha256
+        self.tokenizer_name: str = tokenizer.name
+        self.vocab_size: int = tokenizer.vocab_size
+        # The manifest's shard entries as JSON objects: the trainer's readers (windows, remote) take a
+        # local cell's shards and a remote one's alike, and a remote cell's are still plain JSON.
+        self.shards: list[dict[str, Any]] = [shard.to_json() for shard in self.manifest.shards]
 
         self._bins: list[np.ndarray] = []
         self._idxs: list[np.ndarray] = []
@@ -126,9 +141,7 @@ class TokenShards:
         self._token_starts = np.concatenate([[0], np.cumsum(tokens)])
         self.num_documents = int(self._doc_starts[-1])
         self.num_tokens = int(self._token_starts[-1])
-        if self.num_documents != int(self.manifest["documents"]) or self.num_tokens != int(
-            self.manifest["tokens"]
-        ):
+        if self.num_documents != self.manifest.documents or self.num_tokens != self.manifest.tokens:
             raise ShardError(f"{manifest_path}: cell totals do not equal the sum of its shards")
         if verify:
             self.verify()
@@ -217,53 +230,49 @@ class TokenCatalog:
         counts_path = os.path.join(self.path, COUNTS)
         if not os.path.exists(counts_path):
             raise ShardError(f"{counts_path}: missing (run `tokenmill tokenize` to the end first)")
-        self.counts: dict[str, Any] = storage.read_json(counts_path)
-        check_format_version(self.counts.get("format_version"), counts_path)
-        self.tokenizer: dict[str, Any] = self.counts["tokenizer"]
-        check_tokenizer(
-            self.tokenizer["sha256"], expected_tokenizer_sha256, counts_path, self.tokenizer.get("name", "")
-        )
-        self.tokenizer_sha256: str = self.tokenizer["sha256"]
-        self.total_tokens: int = int(self.counts["total_tokens"])
-        self.total_documents: int = int(self.counts["total_documents"])
+        try:
+            self.counts: TokenCounts = read_counts(counts_path)
+        except FormatError as error:
+            raise ShardError(str(error)) from error
+        tokenizer = catalog_tokenizer(self.counts, counts_path)
+        check_tokenizer(tokenizer.sha256, expected_tokenizer_sha256, counts_path, tokenizer.name)
+        self.tokenizer: TokenizerEntry = tokenizer
+        self.tokenizer_sha256: str = tokenizer.sha256
+        self.total_tokens: int = self.counts.total_tokens or 0
+        self.total_documents: int = self.counts.total_documents or 0
         self._verify = verify
         self._open: dict[str, TokenShards] = {}
 
     @property
     def cells(self) -> list[str]:
-        return sorted(self.counts["cells"])
-
-    def tokens_in(self, cell: str) -> int:
-        return int(self.counts["cells"][cell]["tokens"])
+        return sorted(self.counts.cells)
 
     def match(self, pattern: str) -> list[str]:
         """Cells whose name matches a mixture pattern such as `domain=code/*`."""
         return [cell for cell in self.cells if fnmatch.fnmatchcase(cell, pattern.strip("/"))]
 
     def __contains__(self, cell: object) -> bool:
-        return cell in self.counts["cells"]
+        return cell in self.counts.cells
 
     def __len__(self) -> int:
-        return len(self.counts["cells"])
+        return len(self.counts.cells)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.cells)
 
     def __getitem__(self, cell: str) -> TokenShards:
         if cell not in self._open:
-            if cell not in self.counts["cells"]:
+            if cell not in self.counts.cells:
                 raise KeyError(f"{cell!r} is not in {os.path.join(self.path, COUNTS)}")
-            entry = self.counts["cells"][cell]
-            manifest_dir = os.path.dirname(
-                os.path.join(self.path, entry.get("manifest", f"{cell}/{MANIFEST}"))
-            )
+            entry = self.counts.cells[cell]
+            manifest_dir = os.path.dirname(os.path.join(self.path, self.counts.manifest_path(cell)))
             shards = TokenShards(
                 manifest_dir, expected_tokenizer_sha256=self.tokenizer_sha256, verify=self._verify
             )
-            if shards.num_tokens != int(entry["tokens"]) or shards.num_documents != int(entry["documents"]):
+            if shards.num_tokens != entry.tokens or shards.num_documents != entry.documents:
                 raise ShardError(
-                    f"{os.path.join(self.path, COUNTS)}: lists {entry['tokens']} tokens / "
-                    f"{entry['documents']} documents for {cell}, but its manifest has "
+                    f"{os.path.join(self.path, COUNTS)}: lists {entry.tokens} tokens / "
+                    f"{entry.documents} documents for {cell}, but its manifest has "
                     f"{shards.num_tokens} / {shards.num_documents}"
                 )
             self._open[cell] = shards

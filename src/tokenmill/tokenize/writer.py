@@ -23,17 +23,23 @@ from typing import Any
 import numpy as np
 
 from tokenmill import storage
-from tokenmill.tokenize.shards import (
+from tokenmill.errors import FormatError
+from tokenmill.formats import tokens as token_files
+from tokenmill.formats.tokens import (
     COUNTS,
-    DTYPES,
+    DONE_SUFFIX,
     FORMAT_VERSION,
-    INDEX_DTYPE,
     MANIFEST,
-    shard_name,
+    CellCount,
+    CellManifest,
+    ShardEntry,
+    ShardMarker,
+    TokenCounts,
+    TokenizerEntry,
 )
+from tokenmill.tokenize.shards import DTYPES, INDEX_DTYPE, shard_name
 from tokenmill.tokenize.tokenizer import TokenizerInfo
 
-DONE_SUFFIX = ".done.json"
 DEFAULT_BATCH_DOCUMENTS = 512  # documents per encode_batch call: a few MB of text
 
 
@@ -53,18 +59,19 @@ class ShardTask:
         return storage.join(output, self.cell, self.name + suffix)
 
 
-def read_marker(path: str) -> dict[str, Any] | None:
+def read_marker(path: str) -> ShardMarker | None:
+    """The done marker at `path`, or None if there is none or it cannot be read (the shard is redone)."""
     if not storage.exists(path):
         return None
     try:
-        return storage.read_json(path)
-    except (OSError, ValueError):
+        return token_files.read_marker(path)
+    except (OSError, FormatError):
         return None
 
 
 def completed_marker(
     task: ShardTask, output: str, info: TokenizerInfo, source_sha256: str
-) -> dict[str, Any] | None:
+) -> ShardMarker | None:
     """The shard's done marker if the shard on disk is complete and verified for this input, else None."""
     marker = read_marker(task.path(output, DONE_SUFFIX))
     if marker is None:
@@ -79,11 +86,11 @@ def completed_marker(
         "source_files": [os.path.basename(task.source)],
         "source_sha256": source_sha256,
     }
-    if any(marker.get(key) != value for key, value in expected.items()):
+    if any(getattr(marker, key) != value for key, value in expected.items()):
         return None
-    for suffix, key in ((".bin", "bin_sha256"), (".idx", "idx_sha256")):
+    for suffix, recorded in ((".bin", marker.bin_sha256), (".idx", marker.idx_sha256)):
         path = task.path(output, suffix)
-        if not storage.exists(path) or storage.file_sha256(path) != marker.get(key):
+        if not storage.exists(path) or storage.file_sha256(path) != recorded:
             return None
     return marker
 
@@ -140,7 +147,7 @@ def tokenize_file(
     source_sha256: str,
     batch_documents: int = DEFAULT_BATCH_DOCUMENTS,
     on_batch: Callable[[int, int], None] | None = None,
-) -> dict[str, Any]:
+) -> ShardMarker:
     """Tokenize one source file into part-<n>.bin/.idx, then write its done marker; returns the marker."""
     import pyarrow.parquet as pq
 
@@ -173,22 +180,22 @@ def tokenize_file(
             tokens += length
             if on_batch is not None:
                 on_batch(len(encodings), length)
-    marker = {
-        "format_version": FORMAT_VERSION,
-        "cell": task.cell,
-        "name": task.name,
-        "documents": documents,
-        "tokens": tokens,
-        "bin_sha256": bin_sink.digest.hexdigest(),
-        "idx_sha256": idx_sink.digest.hexdigest(),
-        "tokenizer_sha256": info.sha256,
-        "dtype": info.dtype,
-        "eos_id": info.eos_id,
-        "source_files": [os.path.basename(task.source)],
-        "source_sha256": source_sha256,
-    }
+    marker = ShardMarker(
+        format_version=FORMAT_VERSION,
+        cell=task.cell,
+        name=task.name,
+        documents=documents,
+        tokens=tokens,
+        bin_sha256=bin_sink.digest.hexdigest(),
+        idx_sha256=idx_sink.digest.hexdigest(),
+        tokenizer_sha256=info.sha256,
+        dtype=info.dtype,
+        eos_id=info.eos_id,
+        source_files=[os.path.basename(task.source)],
+        source_sha256=source_sha256,
+    )
     # Last, so that a marker always describes files that are fully in place.
-    storage.write_json(task.path(output, DONE_SUFFIX), marker)
+    token_files.write_marker(task.path(output, DONE_SUFFIX), marker)
     return marker
 
 
@@ -199,7 +206,7 @@ def process_shard(
     info: TokenizerInfo,
     batch_documents: int = DEFAULT_BATCH_DOCUMENTS,
     on_batch: Callable[[int, int], None] | None = None,
-) -> tuple[dict[str, Any], bool]:
+) -> tuple[ShardMarker, bool]:
     """Keep the shard if complete and verified, else (re)write it.
 
     Returns (done marker, whether the shard was written by this call).
@@ -219,7 +226,7 @@ def write_shard(
     document_ends: np.ndarray,
     info: TokenizerInfo,
     source_files: list[str],
-) -> dict[str, Any]:
+) -> ShardEntry:
     """Write part-<index> of a cell from token ids already in memory (each document ending with end-of-text,
     `document_ends` its exclusive end offsets); returns its manifest entry, for `write_manifest`.
 
@@ -227,7 +234,7 @@ def write_shard(
     benchmark fixtures); the format is the same, written atomically.
     """
     name = shard_name(index)
-    entry: dict[str, Any] = {"name": name, "documents": len(document_ends), "tokens": len(ids)}
+    digests = {}
     little_endian = np.dtype(info.dtype).newbyteorder("<")
     for suffix, array in (
         (".bin", np.asarray(ids, dtype=little_endian)),
@@ -235,53 +242,63 @@ def write_shard(
     ):
         data = array.tobytes()
         storage.write_bytes(storage.join(output, cell, name + suffix), data)
-        entry[f"{suffix[1:]}_sha256"] = hashlib.sha256(data).hexdigest()
-    entry["source_files"] = list(source_files)
-    return entry
+        digests[suffix] = hashlib.sha256(data).hexdigest()
+    return ShardEntry(
+        name=name,
+        documents=len(document_ends),
+        tokens=len(ids),
+        bin_sha256=digests[".bin"],
+        idx_sha256=digests[".idx"],
+        source_files=list(source_files),
+    )
 
 
-def shard_entry(marker: dict[str, Any]) -> dict[str, Any]:
-    keys = ("name", "documents", "tokens", "bin_sha256", "idx_sha256", "source_files")
-    return {key: marker[key] for key in keys}
+def _tokenizer_entry(info: TokenizerInfo) -> TokenizerEntry:
+    return TokenizerEntry(**info.manifest_entry())
 
 
-def build_manifest(cell: str, markers: list[dict[str, Any]], info: TokenizerInfo) -> dict[str, Any]:
-    shards = [shard_entry(m) for m in sorted(markers, key=lambda m: m["name"])]
-    return {
-        "format_version": FORMAT_VERSION,
-        "cell": cell,
-        "tokenizer": info.manifest_entry(),
-        "dtype": info.dtype,
-        "eos_id": info.eos_id,
-        "documents": sum(s["documents"] for s in shards),
-        "tokens": sum(s["tokens"] for s in shards),
-        "shards": shards,
-    }
+def build_manifest(cell: str, shards: list[ShardEntry], info: TokenizerInfo) -> CellManifest:
+    """A cell's manifest from its shards' entries (or done markers), in shard order."""
+    entries = [
+        shard.entry() if isinstance(shard, ShardMarker) else shard
+        for shard in sorted(shards, key=lambda shard: shard.name)
+    ]
+    return CellManifest(
+        format_version=FORMAT_VERSION,
+        cell=cell,
+        tokenizer=_tokenizer_entry(info),
+        dtype=info.dtype,
+        eos_id=info.eos_id,
+        documents=sum(entry.documents for entry in entries),
+        tokens=sum(entry.tokens for entry in entries),
+        shards=entries,
+    )
 
 
-def write_manifest(
-    output: str, cell: str, markers: list[dict[str, Any]], info: TokenizerInfo
-) -> dict[str, Any]:
-    manifest = build_manifest(cell, markers, info)
-    storage.write_json(storage.join(output, cell, MANIFEST), manifest)
-    return {"cell": cell, "tokens": manifest["tokens"], "documents": manifest["documents"]}
+def write_manifest(output: str, cell: str, shards: list[ShardEntry], info: TokenizerInfo) -> dict[str, Any]:
+    """Write the cell's manifest.json; returns the cell's totals ({cell, tokens, documents}) for
+    `write_counts`."""
+    manifest = build_manifest(cell, shards, info)
+    token_files.write_manifest(storage.join(output, cell, MANIFEST), manifest)
+    return {"cell": cell, "tokens": manifest.tokens, "documents": manifest.documents}
 
 
-def build_counts(cells: list[dict[str, Any]], info: TokenizerInfo) -> dict[str, Any]:
+def build_counts(cells: list[dict[str, Any]], info: TokenizerInfo) -> TokenCounts:
     entries = {
-        c["cell"]: {"tokens": c["tokens"], "documents": c["documents"], "manifest": f"{c['cell']}/{MANIFEST}"}
+        c["cell"]: CellCount(tokens=c["tokens"], documents=c["documents"], manifest=f"{c['cell']}/{MANIFEST}")
         for c in sorted(cells, key=lambda c: c["cell"])
     }
-    return {
-        "format_version": FORMAT_VERSION,
-        "tokenizer": info.manifest_entry(),
-        "total_tokens": sum(e["tokens"] for e in entries.values()),
-        "total_documents": sum(e["documents"] for e in entries.values()),
-        "cells": entries,
-    }
+    return TokenCounts(
+        format_version=FORMAT_VERSION,
+        tokenizer=_tokenizer_entry(info),
+        total_tokens=sum(entry.tokens for entry in entries.values()),
+        total_documents=sum(entry.documents or 0 for entry in entries.values()),
+        cells=entries,
+    )
 
 
-def write_counts(output: str, cells: list[dict[str, Any]], info: TokenizerInfo) -> dict[str, Any]:
+def write_counts(output: str, cells: list[dict[str, Any]], info: TokenizerInfo) -> TokenCounts:
+    """Write tokens/counts.json from the cells' totals (`write_manifest`'s results); returns it."""
     counts = build_counts(cells, info)
-    storage.write_json(storage.join(output, COUNTS), counts)
+    token_files.write_counts(storage.join(output, COUNTS), counts)
     return counts

@@ -6,6 +6,8 @@ the router-bias balancing update. Everything a step needs is in one state pytree
 
 Steps are global: a run's phases (pretraining, then midtraining) count on from one another, the
 learning-rate schedule is a function of the global step, and the data source gets the step within its phase.
+Everything about a run but the data source comes in one `RunConfig` (run_config.py); the loop resolves it
+(plan, recipe, mesh, peak FLOP/s) and writes the resolved configuration to runs/NAME/config.json.
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from tokenmill.errors import FormatError
+from tokenmill.formats.runs import METRICS, metrics_line, parse_metrics_line
 from tokenmill.trainer import model
 from tokenmill.trainer.checkpoint import Checkpointer
 from tokenmill.trainer.config import ModelConfig
@@ -32,7 +36,9 @@ from tokenmill.trainer.data import Batch, BatchSource
 from tokenmill.trainer.flops import count_params, flops_per_token, known_peak_flops, measure_matmul_flops
 from tokenmill.trainer.moe import update_router_bias
 from tokenmill.trainer.optim import Schedule, make_optimizer
+from tokenmill.trainer.run_config import RunConfig, resolve_run_config
 from tokenmill.trainer.sharding import (
+    AXES,
     batch_sharding,
     make_mesh,
     param_shardings,
@@ -68,52 +74,18 @@ def phases_from_plan(plan: dict) -> list[Phase]:
     return phases
 
 
-@dataclass
-class TrainConfig:
-    """Everything about a run except the model's shape and the data (see `tokenmill train --help`)."""
-
-    output: str
-    phase: str = "pretraining"
-    steps: int | None = None  # train this phase up to this many steps (default: the phase's planned steps)
-    batch_size: int = 8
-    seq_len: int | None = None  # default: the model's
-    seed: int = 0
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    schedule: Literal["wsd", "linear"] = "wsd"
-    decay_steps: int | None = None  # wsd: default the last phase (or the last 20% of a one-phase run)
-    total_steps: int | None = None  # schedule length: default the end of the last phase
-    optimizer: Literal["adamw", "muon", "muonh"] = "adamw"
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0  # 0: no clipping
-    adam_lr: float | None = None  # muonh: the Adam group's peak rate (default lr x 3/13, Marin's ratio)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    epsilon: float = 1e-8
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    mesh: str | None = None  # "data,fsdp,expert"
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    async_checkpoints: bool = True
-    init_from: str | None = None  # a run directory whose latest checkpoint starts this phase
-    peak_flops: float | None = None  # FLOP/s of the whole mesh, for MFU; default data sheet or measured
-    wandb_project: str | None = None
-    # Stop after this many steps as if killed (no final checkpoint): for resume drills and tests.
-    stop_after: int | None = None
-    extra: dict = field(default_factory=dict)  # recorded in config.json (e.g. the mixture path)
-
-
-def make_schedule(cfg: TrainConfig, phases: list[Phase]) -> Schedule:
-    total = cfg.total_steps or phases[-1].end_step
-    if cfg.decay_steps is not None:
-        decay = cfg.decay_steps
-    elif len(phases) > 1:
-        decay = phases[-1].steps  # midtraining is the decay
-    else:
-        decay = max(1, total // 5)
-    warmup = min(cfg.warmup_steps, max(0, total - decay))
-    return Schedule(cfg.schedule, cfg.lr, total, warmup, min(decay, total - warmup), cfg.min_lr_ratio)
+def make_schedule(run: RunConfig, phases: list[Phase]) -> Schedule:
+    """The learning rate over the run's global steps, from the configuration resolved against the phases."""
+    run = resolve_run_config(run, phases)
+    schedule = run.schedule
+    return Schedule(
+        schedule.kind,
+        run.optimizer.lr,
+        schedule.total_steps,
+        schedule.warmup_steps,
+        schedule.decay_steps,
+        schedule.min_lr_ratio,
+    )
 
 
 def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, schedule: Schedule, dtype: Any):
@@ -161,7 +133,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, resume_step: int, wandb_project: str | None, config: dict):
         self.enabled = jax.process_index() == 0
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS
         self.wandb = None
         if not self.enabled:
             return
@@ -186,7 +158,7 @@ class MetricsWriter:
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(row) + "\n")
+        self.file.write(metrics_line(row))
         self.file.flush()
         if self.wandb is not None:
             flat = {k: v for k, v in row.items() if isinstance(v, int | float) and v is not None}
@@ -204,38 +176,43 @@ class MetricsWriter:
 
 
 def _step_of(line: str) -> int:
+    """The step of a metrics.jsonl line; -1 for a line that is not a metrics row (a write cut short)."""
     try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
+        return parse_metrics_line(line, METRICS).step
+    except FormatError:
         return -1
 
 
-def _peak_flops(cfg: TrainConfig, mesh_devices: int) -> float:
-    if cfg.peak_flops:
-        return cfg.peak_flops
+def _peak_flops(run: RunConfig, mesh_devices: int) -> float:
+    if run.logging.peak_flops:
+        return run.logging.peak_flops
     device = jax.devices()[0]
     known = known_peak_flops(device.device_kind)
     if known:
         return known * mesh_devices
     # CPU: simulated devices share the same cores, so one measured matmul peak covers the whole mesh.
-    dtype = "bfloat16" if cfg.compute_dtype == "bfloat16" else "float32"
+    dtype = "bfloat16" if run.compute_dtype == "bfloat16" else "float32"
     return measure_matmul_flops(512, dtype, seconds=0.5)
 
 
 def train(
-    model_cfg: ModelConfig,
-    cfg: TrainConfig,
+    run: RunConfig,
     source: BatchSource,
     phases: list[Phase],
     plan: dict | None = None,
+    stop_after: int | None = None,
 ) -> list[dict]:
-    """Train `cfg.phase` (resuming from the run's checkpoints) and return the metrics rows logged."""
-    by_name = {p.name: p for p in phases}
-    if cfg.phase not in by_name:
-        raise ValueError(f"phase {cfg.phase!r} is not in the plan (phases: {', '.join(by_name)})")
-    phase = by_name[cfg.phase]
-    phase_index = [p.name for p in phases].index(phase.name)
-    target = phase.start_step + (cfg.steps if cfg.steps is not None else phase.steps)
+    """Train the run's phase (resuming from its checkpoints) and return the metrics rows logged.
+
+    stop_after: stop after this many steps as if killed (no final checkpoint), for resume drills and tests.
+    """
+    run = resolve_run_config(run, phases, plan)
+    if not run.output:
+        raise ValueError("no output folder: give --output (or output: in the run configuration)")
+    model_cfg = run.model_shape
+    phase = next(p for p in phases if p.name == run.data.phase)
+    phase_index = phases.index(phase)
+    target = phase.start_step + run.schedule.steps
     if target > phase.end_step:
         log.warning(
             "training %d steps, past the %d the plan gives phase %s",
@@ -243,30 +220,32 @@ def train(
             phase.steps,
             phase.name,
         )
-    seq_len = cfg.seq_len or model_cfg.seq_len
-    run_dir = Path(cfg.output)
+    batch_size, seq_len = run.data.batch_size, run.data.seq_len
+    run_dir = Path(run.output)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     n_devices = jax.device_count()
-    mesh = make_mesh(parse_mesh_shape(cfg.mesh, n_devices))
-    if cfg.batch_size % mesh.size:
-        raise ValueError(
-            f"batch size {cfg.batch_size} is not divisible by the {mesh.size} devices of the mesh"
-        )
-    schedule = make_schedule(cfg, phases)
+    mesh = make_mesh(parse_mesh_shape(run.mesh.text, n_devices))
+    if batch_size % mesh.size:
+        raise ValueError(f"batch size {batch_size} is not divisible by the {mesh.size} devices of the mesh")
+    run = run.model_copy(
+        update={"mesh": run.mesh.model_copy(update={axis: mesh.shape[axis] for axis in AXES})}
+    )
+    schedule = make_schedule(run, phases)
 
     with jax.set_mesh(mesh):
-        init_fn, step_fn, shardings = compile_train_step(model_cfg, cfg, schedule, mesh)
+        init_fn, step_fn, shardings = compile_train_step(run, schedule, mesh)
         # The state's shapes and shardings: what a restore fills in, without building a fresh state first.
         layout = jax.tree.map(
             lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-            jax.eval_shape(init_fn, jax.random.key(cfg.seed)),
+            jax.eval_shape(init_fn, jax.random.key(run.seed)),
             shardings,
         )
 
-        checkpoints = Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints, cfg.async_checkpoints)
+        checkpoint = run.checkpoint
+        checkpoints = Checkpointer(run_dir / "checkpoints", checkpoint.keep, checkpoint.asynchronous)
         state, start, meta = _restore_or_start(
-            lambda: init_fn(jax.random.key(cfg.seed)), layout, checkpoints, cfg, phases, phase, phase_index
+            lambda: init_fn(jax.random.key(run.seed)), layout, checkpoints, run, phases, phase, phase_index
         )
         # Tokens and FLOPs actually trained so far in this run (a phase cut short leaves a gap in steps).
         tokens_seen, flops_done = int(meta.get("tokens", 0)), float(meta.get("flops", 0.0))
@@ -275,27 +254,28 @@ def train(
             checkpoints.close()
             return []
 
-        tokens_per_step = cfg.batch_size * seq_len
+        tokens_per_step = batch_size * seq_len
         step_flops = flops_per_token(model_cfg, seq_len) * tokens_per_step
-        peak = _peak_flops(cfg, mesh.size)
+        peak = _peak_flops(run, mesh.size)
+        run = run.model_copy(update={"logging": run.logging.model_copy(update={"peak_flops": peak})})
+        settings = run.model_dump(mode="json")
         config_record = {
-            "model": model_cfg.model_dump(),
+            # The resolved configuration first: `tokenmill train --config runs/NAME/config.json` reads it back
+            # and skips the records after it.
+            **settings,
             "params": count_params(model_cfg).as_dict(),
-            "train": asdict(cfg),
-            "schedule": asdict(schedule),
-            "mesh": dict(mesh.shape),
-            "processes": jax.process_count(),
-            "peak_flops": peak,
             "flops_per_token": flops_per_token(model_cfg, seq_len),
+            "processes": jax.process_count(),
             "plan": plan,
         }
         if jax.process_index() == 0:
-            # One file per run: each phase's settings are kept under "phases", the latest also as "train".
+            # One file per run: each phase's settings are kept under "phases", the latest also at the top.
             config_path = run_dir / "config.json"
             previous = json.loads(config_path.read_text()) if config_path.exists() else {}
-            config_record["phases"] = {**previous.get("phases", {}), phase.name: asdict(cfg)}
-            config_path.write_text(json.dumps(config_record, indent=2, default=str) + "\n")
-        writer = MetricsWriter(run_dir, start, cfg.wandb_project, config_record)
+            this_phase = {key: value for key, value in settings.items() if key != "model"}
+            config_record["phases"] = {**previous.get("phases", {}), phase.name: this_phase}
+            config_path.write_text(json.dumps(config_record, indent=2) + "\n")
+        writer = MetricsWriter(run_dir, start, run.logging.wandb_project, config_record)
 
         def record(done: int) -> dict:
             return {"phase": phase.name, "step": done, "tokens": tokens_seen, "flops": flops_done}
@@ -305,9 +285,7 @@ def train(
         try:
             for step in range(start, target):
                 batch = source.batch(step - phase.start_step)
-                tokens, segment_ids = _global_batch(
-                    batch, mesh, cfg.batch_size, seq_len, model_cfg.vocab_size
-                )
+                tokens, segment_ids = _global_batch(batch, mesh, batch_size, seq_len, model_cfg.vocab_size)
                 state, metrics = step_fn(state, tokens, segment_ids)
                 metrics = jax.device_get(metrics)
                 now = time.perf_counter()
@@ -346,12 +324,12 @@ def train(
                 writer.write(row)
                 rows.append(row)
                 done = step + 1
-                if cfg.stop_after is not None and done - start >= cfg.stop_after:
-                    if done % cfg.checkpoint_every == 0:
+                if stop_after is not None and done - start >= stop_after:
+                    if done % checkpoint.every == 0:
                         checkpoints.save(done, state, record(done))
-                    log.info("stopping after %d steps as asked (simulated interruption)", cfg.stop_after)
+                    log.info("stopping after %d steps as asked (simulated interruption)", stop_after)
                     break
-                if done % cfg.checkpoint_every == 0 or done == target:
+                if done % checkpoint.every == 0 or done == target:
                     checkpoints.save(done, state, record(done))
                 if step == start or done % 10 == 0 or done == target:
                     log.info(
@@ -374,26 +352,27 @@ def train(
 _COMPILED_STEPS: dict[tuple, tuple] = {}
 
 
-def compile_train_step(
-    model_cfg: ModelConfig, cfg: TrainConfig, schedule: Schedule, mesh: jax.sharding.Mesh
-) -> tuple:
-    """(init_state, train_step, state shardings): jitted with explicit shardings, cached per configuration."""
-    key = (model_cfg.model_dump_json(), cfg.optimizer, cfg.weight_decay, cfg.clip_norm, cfg.adam_lr,
-           cfg.beta1, cfg.beta2, cfg.epsilon, cfg.compute_dtype, schedule, mesh)  # fmt: skip
+def compile_train_step(run: RunConfig, schedule: Schedule, mesh: jax.sharding.Mesh) -> tuple:
+    """(init_state, train_step, state shardings): jitted with explicit shardings, cached per configuration.
+
+    run: resolved (`resolve_run_config`): the optimizer's settings are all given."""
+    model_cfg, opt = run.model_shape, run.optimizer
+    key = (model_cfg.model_dump_json(), opt.kind, opt.weight_decay, opt.clip_norm, opt.adam_lr, opt.beta1,
+           opt.beta2, opt.epsilon, run.compute_dtype, schedule, mesh)  # fmt: skip
     if key in _COMPILED_STEPS:
         return _COMPILED_STEPS[key]
-    dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
+    dtype = jnp.bfloat16 if run.compute_dtype == "bfloat16" else jnp.float32
     # Shapes first, then shardings, then the real arrays are created directly in place on the mesh.
     abstract_params = jax.eval_shape(lambda key: model.init_params(key, model_cfg), jax.random.key(0))
     tx = make_optimizer(
         abstract_params,
-        cfg.optimizer,
-        cfg.weight_decay,
-        cfg.clip_norm,
-        cfg.beta1,
-        cfg.beta2,
-        cfg.epsilon,
-        adam_lr_ratio=cfg.adam_lr / cfg.lr if cfg.adam_lr and cfg.lr else 3 / 13,
+        opt.kind,
+        opt.weight_decay,
+        opt.clip_norm,
+        opt.beta1,
+        opt.beta2,
+        opt.epsilon,
+        adam_lr_ratio=opt.adam_lr / opt.lr if opt.adam_lr and opt.lr else 3 / 13,
     )
 
     def init_state(key: jax.Array) -> dict:
@@ -422,7 +401,7 @@ def _restore_or_start(
     fresh: Callable[[], dict],
     layout: Any,
     checkpoints: Checkpointer,
-    cfg: TrainConfig,
+    run: RunConfig,
     phases: list[Phase],
     phase: Phase,
     phase_index: int,
@@ -444,11 +423,12 @@ def _restore_or_start(
             f"the latest checkpoint in {checkpoints.directory} is from phase {ckpt_phase!r}, which does not "
             f"come before phase {phase.name!r}; use a new --output"
         )
-    if cfg.init_from:
-        source = Checkpointer(Path(cfg.init_from) / "checkpoints", read_only=True)
+    init_from = run.checkpoint.init_from
+    if init_from:
+        source = Checkpointer(Path(init_from) / "checkpoints", read_only=True)
         step = source.latest_step()
         if step is None:
-            raise TrainingError(f"--init-from {cfg.init_from}: no checkpoint in {source.directory}")
+            raise TrainingError(f"--init-from {init_from}: no checkpoint in {source.directory}")
         restored, meta = source.restore(step, layout)
         source.close()
         return _continue(restored, meta.get("phase", "?"), step, phase), phase.start_step, meta

@@ -11,9 +11,12 @@
   kernel ahead (`posix_fadvise(WILLNEED)`, on an `Announcer` thread) so that their reads overlap. Used
   where O_DIRECT is refused (some FUSE filesystems, tmpfs before Linux 6.6, other systems) or asked for.
 
+Shards in object storage (gs://) are read by a third, `tokenmill.trainer.remote.RemoteReads`: ranged
+requests planned by the same `staged_reads`, many in flight.
+
 A reads object serves one `MixtureSource`: `request(step, begin)` starts reading a batch's windows (the
 stream offsets `begin`), `ticket(step)` is what the assembler waits on, and `gather(ticket, begin, out)`
-fills the batch. Neither keeps a batch's data longer than until it is gathered.
+fills the batch. None keeps a batch's data longer than until it is gathered.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
+from tokenmill import storage
 from tokenmill.tokenize.shards import TokenShards
 from tokenmill.trainer.direct_io import PAGE, DirectIOUnavailable, DirectReader, aligned_buffer
 
@@ -34,42 +39,59 @@ log = logging.getLogger(__name__)
 READERS = ("auto", "direct", "mmap")
 
 
+class ShardCell(Protocol):
+    """What a stream needs of a cell: its folder, its shards (manifest entries) and their token type.
+    `TokenShards` (local, memory-mapped) and `tokenmill.trainer.remote.RemoteCell` (object storage)."""
+
+    path: str
+    shards: list[dict[str, Any]]
+    dtype: np.dtype
+
+
 class WindowStream:
     """Cells' shards as one token stream cut into windows of L + 1 tokens at stride L (no padding).
 
     From the memory maps, `gather_at` copies the windows inside one shard with a single fancy index over
     a sliding-window view of the shard (C speed, no per-window Python), the few that span two shards
-    piece by piece; `byte_ranges_at` names their bytes for `advise`. For direct reads, `staged_reads`
-    plans the reads that bring windows into a staging buffer and `gather_staged` copies them out.
+    piece by piece; `byte_ranges_at` names their bytes for `advise`. For direct and remote reads,
+    `staged_reads` plans the reads that bring windows into a staging buffer and `gather_staged` copies
+    them out. Cells in object storage have no memory maps: their stream has `paths` but no `parts`.
     """
 
-    def __init__(self, cells: Sequence[TokenShards], sequence_length: int) -> None:
+    def __init__(self, cells: Sequence[ShardCell], sequence_length: int) -> None:
         if sequence_length < 1:
             raise ValueError(f"sequence length {sequence_length} must be positive")
         self.sequence_length = sequence_length
         self.width = sequence_length + 1
-        self.parts: list[np.ndarray] = []
+        self.parts: list[np.ndarray] = []  # memory-map views, local cells only
         self.paths: list[str] = []
+        self.shards: list[dict[str, Any]] = []  # each path's manifest entry (tokens, sha256)
+        itemsizes = []
         starts = [0]
+        dtypes = set()
         for cell in cells:
             offset = 0
             for shard in cell.shards:
                 tokens = int(shard["tokens"])
                 if tokens:
-                    # A view of the shard's memory map (no copy): tokens() stays inside one shard here.
-                    self.parts.append(cell.tokens(offset, offset + tokens))
-                    self.paths.append(os.path.join(cell.path, shard["name"] + ".bin"))
+                    if isinstance(cell, TokenShards):
+                        # A view of the shard's memory map (no copy): tokens() stays inside one shard here.
+                        self.parts.append(cell.tokens(offset, offset + tokens))
+                    self.paths.append(storage.join(cell.path, shard["name"] + ".bin"))
+                    self.shards.append(shard)
+                    itemsizes.append(cell.dtype.itemsize)
+                    dtypes.add(cell.dtype)
                     starts.append(starts[-1] + tokens)
                 offset += tokens
         self.starts = np.array(starts, dtype=np.int64)
+        self.itemsizes = np.array(itemsizes, dtype=np.int64)
         self.num_tokens = int(self.starts[-1])
         self.num_windows = max(0, (self.num_tokens - 1) // sequence_length)
         self._views = [
             np.lib.stride_tricks.sliding_window_view(part, self.width) if len(part) >= self.width else None
             for part in self.parts
         ]
-        dtypes = {part.dtype for part in self.parts}
-        # Staged (direct) reads copy out of one buffer, so they need one token type across the shards.
+        # Staged (direct, remote) reads copy out of one buffer, so they need one token type across shards.
         self.dtype: np.dtype | None = dtypes.pop() if len(dtypes) == 1 else None
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -102,7 +124,7 @@ class WindowStream:
         ranges = []
         for part in np.unique(np.concatenate([first, last])).tolist():
             keep = (first <= part) & (last >= part)
-            itemsize = self.parts[part].itemsize
+            itemsize = int(self.itemsizes[part])
             lo = (np.maximum(begin[keep], self.starts[part]) - self.starts[part]) * itemsize
             hi = (np.minimum(end[keep], self.starts[part + 1]) - self.starts[part]) * itemsize
             # Sorted by start: a range opens a new one where it starts past every earlier range's end.
@@ -135,12 +157,14 @@ class WindowStream:
         for i in np.flatnonzero(~inside).tolist():
             out[rows[i]] = self.read(int(begin[i]), int(begin[i]) + self.width)
 
-    def staged_reads(self, begin: np.ndarray, align: int) -> StagedReads:
-        """The reads that bring the windows at stream offsets `begin` into one staging buffer (O_DIRECT).
+    def staged_reads(self, begin: np.ndarray, align: int, gap: int = 0) -> StagedReads:
+        """The reads that bring the windows at stream offsets `begin` into one staging buffer.
 
-        Each window's bytes (a window that spans two shards: its piece in each), widened to `align`, in
-        stream order; pieces whose widened ranges touch or overlap (neighbours, repeats, block-shuffled
-        runs) share one read.
+        Each window's bytes (a window that spans two shards: its piece in each), widened to `align` (the
+        device's block for O_DIRECT), in stream order; pieces of one shard whose widened ranges touch,
+        overlap (neighbours, repeats, block-shuffled runs) or lie at most `gap` bytes apart share one
+        read, the bytes between them read too (a remote request costs more than a few hundred KB more of
+        transfer). Reads never span two shards.
         """
         if self.dtype is None:
             raise ValueError("staged reads need one token type across the shards")
@@ -173,16 +197,17 @@ class WindowStream:
         if not order.size:
             empty = np.zeros(0, dtype=np.int64)
             return StagedReads(empty, empty, empty, empty, empty, 0, row_offsets, {})
-        # Byte positions on one axis for all shards: each shard's bytes from `base`, shards `align` apart,
-        # so that ranges of two shards never merge.
+        # Byte positions on one axis for all shards: each shard's bytes from `base`, shards more than
+        # align + gap apart, so that ranges of two shards never merge.
         sizes = np.diff(self.starts) * itemsize
-        base = np.concatenate([[0], np.cumsum(-(-sizes // align) * align + align)[:-1]])
+        spacing = -(-sizes // align) * align + align + -(-gap // align) * align
+        base = np.concatenate([[0], np.cumsum(spacing)[:-1]])
         lo = base[piece_part] + piece_local * itemsize
         hi = lo + piece_count * itemsize
         first_byte = lo // align * align  # base is a multiple of align
         last_byte = -(-hi // align) * align
         reach = np.maximum.accumulate(last_byte)
-        opens = np.concatenate([[True], first_byte[1:] > reach[:-1]])
+        opens = np.concatenate([[True], first_byte[1:] > reach[:-1] + gap])
         firsts = np.flatnonzero(opens)
         lasts = np.concatenate([firsts[1:] - 1, [len(lo) - 1]])
         run = np.cumsum(opens) - 1

@@ -1,7 +1,5 @@
-"""Report inputs written from scratch, following docs/formats.md, so the report can be built and tested
-without curate, tokenize, the planner or the trainer.
-
-`headless_chromium` starts the browser the page tests and the report bench drive.
+"""Report inputs written from scratch, following docs/formats.md, so that the report can be built, tested
+and benchmarked without curate, tokenize, the planner or the trainer.
 
 `make_report_inputs` writes curate output (curated/, removed/, rejected/, stats.json), tokenize output
 (counts.json and a manifest per cell), a mixture plan and an earlier revision of it, and a run folder. It
@@ -12,16 +10,11 @@ broken HTML; the cell is small enough that every one of them is among its sample
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
 import math
-import os
 import random
-import shutil
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,52 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-
-
-def missing_browser() -> list[str]:
-    """Which of Debian's chromium and chromium-driver binaries are not installed (`make browser`)."""
-    return [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
-
-
-@contextlib.contextmanager
-def headless_chromium(profile_prefix: str) -> Iterator[Any]:
-    """A selenium driver of headless Chromium with a fresh profile, no background networking, a
-    1280x1000 window and the console log kept; quit, and its profile removed, on leaving."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix=profile_prefix)
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--hide-scrollbars",
-        "--window-size=1280,1000",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = None
-    try:
-        driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-        driver.set_page_load_timeout(30)
-        yield driver
-    finally:
-        if driver is not None:
-            driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
-
+from tokenmill.formats.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
 
 BASE_DOMAINS = (
     "web",
@@ -453,7 +401,10 @@ def _write_stats(curate: Path, cells, removed, rejected, source_stats) -> None:
             "decontam": {
                 "documents": read["documents"],
                 "contaminated": 5,
-                "eval_sets": {"gsm8k-test": {"documents": 3}, "mmlu-test": {"documents": 2}},
+                "eval_sets": {
+                    "gsm8k-test": {"documents": 3, "verbatim": 2, "edited": 1},
+                    "mmlu-test": {"documents": 2, "verbatim": 1, "partial": 1},
+                },
             }
         },
     }

@@ -1,4 +1,5 @@
-"""The document table: the Parquet schema that curate writes and every later stage reads.
+"""Curated and removed documents (docs/formats.md, "Curated documents", "Removed documents"): the Parquet
+schema that curate writes and every later stage reads.
 
 Kept here, apart from the Beam pipelines, so that the tokenizer, the reports and the trainer can read
 curated output without importing Beam. Columns and types are those of docs/formats.md.

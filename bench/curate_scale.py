@@ -1,0 +1,232 @@
+"""Benchmark: does `tokenmill curate` scale flat? The web recipe (fuzzy dedupe included) at 10k, 40k and 160k.
+
+Each size is a corpus of unique web-like documents (1-5 KB of English prose, 2.5 KB on average;
+every sentence reworded so that no two documents share long word runs), with the duplicates a crawl
+carries: 4% exact copies (one boilerplate page copied 1,000 times among them: a hot key),
+8% near-duplicates, and a near-duplicate chain. The same
+command as a user's runs on Beam's local runner with `--workers` processes; while it runs, the resident
+memory of every process in its tree is sampled, so the table shows the peak of each SDK worker process
+(what a Dataflow worker holds) apart from the launcher (which also holds the local runner's shuffle: on
+Dataflow that is the shuffle service's job, not a worker's).
+
+    python bench/curate_scale.py [--sizes 10000,40000,160000] [--workers 2]
+
+The targets (issue: curate at web scale): documents/s/core at 160k within 20% of 10k (ratio >= 0.8), and
+worker peak memory that does not grow with the corpus. The last line is
+`curate_scale ratio=X.XX target=0.8 baseline=10k_docs_per_core`: throughput per core at the largest size over
+throughput per core at the smallest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from tokenmill.formats.stats import STATS, read_stats
+from tokenmill.samples import text as sample
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+FILES_PER_10K = 8
+FILLER = ("the", "a", "of", "and", "to", "in", "is", "that", "for", "it", "with", "as", "on", "this")
+
+
+def _reword(rng: random.Random, sentence: str, vocabulary: list[str]) -> str:
+    """A sentence with about a third of its words swapped for others: unique 5-grams, still prose-like."""
+    words = sentence.split()
+    for position in range(len(words)):
+        if rng.random() < 0.35:
+            words[position] = rng.choice(FILLER) if rng.random() < 0.4 else rng.choice(vocabulary)
+    return " ".join(words)
+
+
+def make_corpus(directory: Path, documents: int, seed: int = 11) -> dict[str, int]:
+    """Write `documents` JSON Lines records into directory/shard-*/part.jsonl; returns what was planted."""
+    rng = random.Random(seed)
+    sentences = [s.strip() + "." for p in sample.prose_paragraphs() for s in p.split(". ") if len(s) > 40]
+    vocabulary = sorted({word for s in sentences for word in s.split() if word.isalpha()})
+    boilerplate = "\n".join(rng.choice(sentences) for _ in range(40))
+    records: list[dict] = []
+    planted = {"exact_copies": 0, "near_duplicates": 0, "hot_key_copies": 0, "chain": 0}
+    chain_length = 200
+    for number in range(documents):
+        roll = rng.random()
+        if roll < 0.04 and records:
+            text = rng.choice(records)["text"]
+            planted["exact_copies"] += 1
+        elif roll < 0.12 and records:
+            text = sample.near_duplicate(rng, rng.choice(records)["text"], 0.03)
+            planted["near_duplicates"] += 1
+        else:
+            paragraphs = []
+            for _ in range(rng.randint(3, 8)):
+                paragraphs.append(" ".join(_reword(rng, rng.choice(sentences), vocabulary) for _ in range(4)))
+            text = "\n\n".join(paragraphs)
+        records.append({"id": f"d{number:08d}", "text": text})
+    # A hot key: one boilerplate page copied 1,000 times; a near-duplicate chain of 200 links.
+    for index in rng.sample(range(documents), min(1000, documents // 10)):
+        records[index]["text"] = boilerplate
+        planted["hot_key_copies"] += 1
+    link = records[0]["text"]
+    for index in rng.sample(range(documents), chain_length):
+        link = sample.near_duplicate(rng, link, 0.02)
+        records[index]["text"] = link
+        planted["chain"] += 1
+    files = max(1, FILES_PER_10K * documents // 10_000)
+    per_file = -(-documents // files)
+    for index in range(files):
+        folder = directory / f"shard-{index:03d}"
+        folder.mkdir(parents=True)
+        chunk = records[index * per_file : (index + 1) * per_file]
+        (folder / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chunk))
+    return planted
+
+
+class TreeMemory:
+    """Peak resident memory of every process below a root process, sampled on a thread."""
+
+    def __init__(self, root_pid: int, every_seconds: float = 0.2):
+        self.root = psutil.Process(root_pid)
+        self.every_seconds = every_seconds
+        self.peak: dict[int, int] = {}
+        self.names: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                processes = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for process in processes:
+                try:
+                    rss = process.memory_info().rss
+                    self.names.setdefault(process.pid, " ".join(process.cmdline()[:4]))
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                self.peak[process.pid] = max(self.peak.get(process.pid, 0), rss)
+            self._stop.wait(self.every_seconds)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def workers_peak(self) -> int:
+        """The largest peak among Beam's SDK worker processes."""
+        workers = [rss for pid, rss in self.peak.items() if "sdk_worker" in self.names.get(pid, "")]
+        return max(workers, default=0)
+
+    def launcher_peak(self) -> int:
+        return self.peak.get(self.root.pid, 0)
+
+
+def bench_recipe(directory: Path, target_file_bytes: str) -> Path:
+    """The web recipe with a smaller output file target.
+
+    A writer holds one output file's rows (they are sorted before the file is written), so a worker's
+    memory grows with the file, up to `target_file_bytes`, and then stays flat however large the corpus.
+    At 10 TB every file is at the target; here the corpus is smaller than one 256 MB file, so the bench
+    sets a target that makes every size write many files, as a real run does.
+    """
+    text = (REPO / "configs" / "curate" / "web.yaml").read_text()
+    recipe = directory / "web-bench.yaml"
+    recipe.write_text(text.replace("target_file_bytes: 256M", f"target_file_bytes: {target_file_bytes}"))
+    assert recipe.read_text() != text, "configs/curate/web.yaml no longer sets target_file_bytes: 256M"
+    return recipe
+
+
+def run_curate(input_dir: Path, output: Path, workers: int, recipe: Path) -> tuple[float, TreeMemory, dict]:
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill",
+            "curate",
+            "--recipe",
+            str(recipe),
+            "--input",
+            str(input_dir / "*" / "*.jsonl"),
+            "--output",
+            str(output),
+            "--workers",
+            str(workers),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    memory = TreeMemory(process.pid)
+    stdout, stderr = process.communicate()
+    elapsed = time.perf_counter() - started
+    memory.stop()
+    if process.returncode != 0:
+        raise SystemExit(f"tokenmill curate failed ({process.returncode}):\n{stdout}\n{stderr[-4000:]}")
+    return elapsed, memory, read_stats(str(output / STATS))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10000,40000,160000", help="comma-separated document counts")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--target-file-bytes", default="8M", help="the recipe's output file target (web.yaml: 256M)"
+    )
+    args = parser.parse_args()
+    sizes = [int(size) for size in args.sizes.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as temporary:
+        root = Path(temporary)
+        recipe = bench_recipe(root, args.target_file_bytes)
+        print(f"web recipe, target_file_bytes {args.target_file_bytes}, {args.workers} worker processes")
+        for size in sizes:
+            planted = make_corpus(root / f"input-{size}", size)
+            elapsed, memory, stats = run_curate(
+                root / f"input-{size}", root / f"output-{size}", args.workers, recipe
+            )
+            per_core = size / elapsed / args.workers
+            fuzzy = stats.stages.get("fuzzy_dedupe", {})
+            rows.append((size, elapsed, per_core, memory.workers_peak(), memory.launcher_peak()))
+            removed = {key: entry.documents for key, entry in stats.removed_by_reason.items()}
+            print(
+                f"{size:>7,} documents: {elapsed:7.1f}s, {per_core:6.0f} docs/s/core, worker peak "
+                f"{memory.workers_peak() / 2**20:6.0f} MiB, launcher peak "
+                f"{memory.launcher_peak() / 2**20:6.0f} MiB; kept {stats.kept.documents:,}, "
+                f"balanced {stats.balanced}",
+                flush=True,
+            )
+            print(f"          planted {planted}; removed {removed}", flush=True)
+            if fuzzy:
+                print(
+                    f"          fuzzy: {fuzzy.get('candidate_pairs', 0):,} candidate pairs, "
+                    f"largest component {fuzzy.get('largest_component', 0):,}, rounds that changed edges "
+                    f"{fuzzy.get('rounds_that_changed_edges', '-')}",
+                    flush=True,
+                )
+            if not stats.balanced:
+                raise SystemExit("stats not balanced: documents read != kept + removed + rejected")
+    smallest, largest = rows[0], rows[-1]
+    growth = largest[3] / max(smallest[3], 1)
+    print(
+        f"cost per document: {largest[2] / smallest[2]:.2f}x the throughput per core at {largest[0]:,} as at "
+        f"{smallest[0]:,}; worker peak memory {growth:.2f}x for {largest[0] / smallest[0]:.0f}x the corpus"
+    )
+    print(f"curate_scale ratio={largest[2] / smallest[2]:.2f} target=0.8 baseline=10k_docs_per_core")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""`tokenmill train`: train one phase of a run from a run configuration and the flags that override it.
+
+The flags are generated from `RunConfig`'s fields (run_config.py), one per setting, named by its place in
+the configuration: `--optimizer.lr`, `--data.phase`, `--model.moe.dispatch`. The flags of earlier releases
+(`--lr`, `--phase`, `--dispatch`, ...) are second spellings of the same settings, so older commands keep
+working. No flag has a default of its own: an unset flag leaves the configuration's value, and the
+configuration's defaults are in run_config.py alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import types
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, BeforeValidator
+from pydantic.fields import FieldInfo
+
+from tokenmill import storage
+from tokenmill.errors import UsageError
+from tokenmill.trainer.run_config import RunConfig
+from tokenmill.units import format_count
+
+log = logging.getLogger(__name__)
+
+# The flags of earlier releases, kept as second spellings of the settings they set.
+ALIASES = {
+    "output": "--output",
+    "seed": "--seed",
+    "compute_dtype": "--compute-dtype",
+    "model.moe.dispatch": "--dispatch",
+    "optimizer.kind": "--optimizer",
+    "optimizer.lr_heuristic": "--lr-heuristic",
+    "optimizer.lr": "--lr",
+    "optimizer.adam_lr": "--adam-lr",
+    "optimizer.beta1": "--beta1",
+    "optimizer.beta2": "--beta2",
+    "optimizer.epsilon": "--epsilon",
+    "optimizer.weight_decay": "--weight-decay",
+    "optimizer.clip_norm": "--clip-norm",
+    "schedule.steps": "--steps",
+    "schedule.kind": "--schedule",
+    "schedule.total_steps": "--total-steps",
+    "schedule.warmup_steps": "--warmup-steps",
+    "schedule.decay_steps": "--decay-steps",
+    "schedule.min_lr_ratio": "--min-lr-ratio",
+    "data.mixture": "--mixture",
+    "data.plan": "--plan",
+    "data.tokens": "--tokens",
+    "data.phase": "--phase",
+    "data.synthetic": "--synthetic",
+    "data.batch_size": "--batch-size",
+    "data.seq_len": "--seq-len",
+    "data.tokenizer_sha256": "--tokenizer-sha256",
+    "data.reader": "--reader",
+    "data.shard_cache": "--shard-cache",
+    "data.shard_cache_dir": "--shard-cache-dir",
+    "data.verify_shards": "--verify-shards",
+    "mesh.distributed": "--distributed",
+    "checkpoint.every": "--checkpoint-every",
+    "checkpoint.keep": "--keep-checkpoints",
+    "checkpoint.init_from": "--init-from",
+    "logging.peak_flops": "--peak-flops",
+    "logging.wandb_project": "--wandb-project",
+}
+# Where the help puts each part of the configuration.
+GROUPS = {
+    "": ("run", "The run configuration: --config FILE, then any flag below overrides one of its fields."),
+    "optimizer": (
+        "optimizer",
+        "Defaults follow the recipe. With muonh (the default for the Marin family: latent experts or "
+        "GatedNorm, configs/models/marin-*.yaml): Marin's run as trained, the learning-rate heuristic for "
+        "this run's tokens, width and batch, a linear schedule with 1% warmup down to 0.05, no "
+        "clipping, no weight decay. Otherwise AdamW at 3e-3, wsd with 10 warmup steps, clipping at 1, "
+        "weight decay 0.1.",
+    ),
+    "schedule": ("schedule", None),
+    "data": ("data", None),
+    "mesh": ("mesh", None),
+    "checkpoint": ("checkpoints", None),
+    "logging": ("logging", None),
+    "model": ("model shape", "Change one field of the --model file's shape (configs/models/*.yaml)."),
+}
+SET = "set:"  # prefix of the argparse destinations of generated flags
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `tokenmill train` to the `tokenmill` parser."""
+    parser = subparsers.add_parser(
+        "train",
+        usage="%(prog)s [--config FILE] [--model FILE] [--output DIR] [--SECTION.FIELD VALUE ...]",
+        help="train one phase of a mixture with the JAX MoE trainer",
+        description="Train a phase of a mixture (or synthetic data) into runs/NAME: metrics.jsonl, "
+        "config.json (this run's configuration, resolved: `--config runs/NAME/config.json` trains it "
+        "again), checkpoints/. Rerunning the same command resumes from the latest checkpoint. A later "
+        "phase (midtraining) continues from the previous phase's last checkpoint in the same --output "
+        "(or --init-from), with its own mixture and the decay part of the schedule. Settings come from "
+        "--config (configs/runs/*.yaml), then from the flags. See docs/trainer.md.",
+    )
+    groups = {section: parser.add_argument_group(title, text) for section, (title, text) in GROUPS.items()}
+    run = groups[""]
+    run.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a run configuration: configs/runs/*.yaml, or a run's config.json to train it again",
+    )
+    run.add_argument(
+        "--model",
+        dest="model_file",
+        metavar="FILE",
+        help="model shape, configs/models/*.yaml (or model: in --config)",
+    )
+    groups["mesh"].add_argument(
+        "--mesh",
+        dest="mesh_sizes",
+        metavar="DATA,FSDP,EXPERT",
+        help="the three sizes at once, e.g. 1,-1,8 (one may be -1: the rest of the devices)",
+    )
+    for path, info in _settings(RunConfig):
+        section = path.split(".")[0] if "." in path else ""
+        _add_flag(groups[section], path, info)
+    parser.set_defaults(handler=_train)
+
+
+def _settings(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    """(dotted path, field) of every setting: the leaves of the configuration's sections."""
+    for name, info in model.model_fields.items():
+        section = _section(info.annotation)
+        if section is not None:
+            yield from _settings(section, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", info
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The model class in `X` or `X | None`, if the field is a section rather than a setting."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _add_flag(group: argparse._ArgumentGroup, path: str, info: FieldInfo) -> None:
+    names = [f"--{path}"] + ([ALIASES[path]] if path in ALIASES and ALIASES[path] != f"--{path}" else [])
+    options: dict[str, Any] = {"dest": SET + path, "default": argparse.SUPPRESS}
+    annotation = _without_none(info.annotation)
+    origin = typing.get_origin(annotation)
+    if annotation is bool:
+        options["action"] = argparse.BooleanOptionalAction
+    elif origin is typing.Literal:
+        choices = typing.get_args(annotation)
+        options.update(choices=choices, type=type(choices[0]))
+    elif any(isinstance(item, BeforeValidator) for item in info.metadata):
+        options.update(type=str, metavar=path.rsplit(".", 1)[-1].upper())  # the field parses it (e.g. 200G)
+    elif annotation in (int, float, str):
+        options.update(type=annotation, metavar=path.rsplit(".", 1)[-1].upper())
+    else:  # lists and mappings of the model's shape: written as YAML, e.g. '[k, v]'
+        options.update(type=yaml.safe_load, metavar="YAML")
+    options["help"] = None if path.startswith("model.") else _help(info)
+    group.add_argument(*names, **options)
+
+
+def _without_none(annotation: Any) -> Any:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        others = [item for item in typing.get_args(annotation) if item is not type(None)]
+        if len(others) == 1:
+            return others[0]
+    return annotation
+
+
+def _help(info: FieldInfo) -> str:
+    text = (info.description or "").replace("%", "%%")
+    default = info.get_default()
+    if default is not None and default is not False and "default" not in text:
+        text += f" (default: {default})"
+    return text
+
+
+def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the command line gives, by dotted path (`--lr 1e-3` -> {"optimizer.lr": 0.001})."""
+    given = {dest[len(SET) :]: value for dest, value in vars(args).items() if dest.startswith(SET)}
+    if getattr(args, "model_file", None):
+        given["model"] = args.model_file
+    if getattr(args, "mesh_sizes", None):
+        parts = args.mesh_sizes.split(",")
+        try:
+            sizes = [int(part) for part in parts]
+        except ValueError:
+            sizes = []
+        if len(sizes) != 3:
+            raise UsageError(f"--mesh {args.mesh_sizes!r}: expected three integers data,fsdp,expert")
+        given.update(zip(("mesh.data", "mesh.fsdp", "mesh.expert"), sizes, strict=True))
+    return given
+
+
+def run_config_of(args: argparse.Namespace) -> RunConfig:
+    """The run configuration of a `tokenmill train` command line: --config's file, then the flags."""
+    from tokenmill.trainer.run_config import RunConfigError, build_run_config, read_run_config_file
+
+    try:
+        raw = read_run_config_file(args.config) if args.config else {}
+        return build_run_config(raw, overrides_of(args), args.config)
+    except RunConfigError as error:
+        raise UsageError(str(error)) from error
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tokenmill.trainer.data import SyntheticSource, check_source
+    from tokenmill.trainer.run_config import RunConfigError, resolve_run_config
+    from tokenmill.trainer.sharding import maybe_initialize_distributed
+    from tokenmill.trainer.train import Phase, TrainingError, phases_from_plan, train
+
+    run = run_config_of(args)
+    if run.model is None:
+        raise UsageError("give --model FILE (or model: in the --config file)")
+    if not run.output:
+        raise UsageError("give --output DIR (or output: in the --config file)")
+    data = run.data
+    if not data.synthetic and not (data.mixture or data.plan):
+        raise UsageError("give --mixture (or --plan) to train on token shards, or --synthetic")
+    maybe_initialize_distributed(force=run.mesh.distributed)
+
+    import jax
+
+    plan = None
+    if data.mixture or data.plan:
+        plan, tokens = _load_plan(run)
+        run = run.model_copy(update={"data": data.model_copy(update={"tokens": tokens})})
+        phases = phases_from_plan(plan)
+    elif run.schedule.steps is None:
+        raise UsageError("--synthetic without a plan needs --steps")
+    else:
+        phases = [Phase(data.phase, 0, run.schedule.steps)]
+    try:
+        run = resolve_run_config(run, phases, plan)
+    except RunConfigError as error:
+        raise UsageError(str(error)) from error
+    log.info("optimizer %s, schedule %s", run.optimizer.model_dump(), run.schedule.model_dump())
+
+    data = run.data
+    if data.synthetic:
+        source = SyntheticSource(
+            run.model_shape.vocab_size,
+            data.seq_len,
+            data.batch_size,
+            run.seed,
+            jax.process_index(),
+            jax.process_count(),
+        )
+        expected_sha = None
+    else:
+        source = _mixture_source(plan, run, jax.process_index(), jax.process_count())
+        expected_sha = data.tokenizer_sha256 or _expected_tokenizer_sha256(plan, data.tokens)
+        run = run.model_copy(update={"data": data.model_copy(update={"tokenizer_sha256": expected_sha})})
+    try:
+        check_source(source, run.model_shape.vocab_size, expected_sha)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+    try:
+        rows = train(run, source, phases, plan)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    except TrainingError as error:
+        print(f"tokenmill train: {error}")
+        return 1
+    if rows:
+        first, last = rows[0], rows[-1]
+        print(
+            f"{run.output}: phase {data.phase} steps {first['step']}..{last['step']}, "
+            f"loss {first['loss']:.4f} -> {last['loss']:.4f}, {format_count(last['tokens'])} tokens"
+        )
+    return 0
+
+
+def _load_plan(run: RunConfig) -> tuple[dict, str | None]:
+    """The mixture plan as the JSON of `tokenmill mixture plan --json` (docs/formats.md), and the token
+    shards directory: data.tokens, else (with a mixture) the folder of the mixture's own `counts:` file.
+
+    With data.mixture, the plan is made here against the shards' counts.json."""
+    data = run.data
+    if data.plan:
+        try:
+            return json.loads(Path(data.plan).read_text()), data.tokens
+        except (OSError, json.JSONDecodeError) as error:
+            raise UsageError(f"cannot read plan {data.plan}: {error}") from error
+    from tokenmill.mixtures import load_counts, load_mixture, plan_mixture
+
+    tokens = data.tokens
+    try:
+        mixture = load_mixture(data.mixture)
+        if not tokens:
+            if not mixture.counts_path:
+                raise UsageError(
+                    f"{data.mixture} names no counts: file; pass --tokens DIR (with counts.json)"
+                )
+            tokens = str(Path(mixture.counts_path).parent)
+        counts = storage.join(tokens, "counts.json")
+        plan = plan_mixture(
+            mixture, load_counts(counts if storage.is_local(counts) else storage.local_copy(counts))
+        )
+    except (ValueError, OSError) as error:  # MixtureError is a ValueError
+        raise UsageError(f"cannot plan {data.mixture}: {error}") from error
+    return plan.to_json(), tokens
+
+
+def _mixture_source(plan: dict, run: RunConfig, process_index: int, process_count: int):
+    from tokenmill.trainer.remote import RemoteOptions
+    from tokenmill.trainer.sampler import MixtureSource, PrefetchedBatches
+
+    data = run.data
+    if not data.tokens:
+        raise UsageError("training on a mixture needs --tokens (the token shards directory)")
+    try:
+        remote = RemoteOptions(cache_bytes=data.shard_cache, cache_dir=data.shard_cache_dir)
+        source = PrefetchedBatches(
+            MixtureSource.from_plan(
+                plan,
+                data.phase,
+                data.tokens,
+                run.seed,
+                process_index,
+                process_count,
+                reader=data.reader,
+                remote=remote,
+                verify_shards=data.verify_shards,
+            )
+        )
+    except (ValueError, OSError) as error:
+        raise UsageError(f"cannot read the mixture's token shards: {error}") from error
+    log.info("data: %r", source)
+    return source
+
+
+def _expected_tokenizer_sha256(plan: dict, tokens: str | None) -> str | None:
+    """The tokenizer hash the mixture was planned for: the plan's own, else the shards catalog's."""
+    if plan.get("tokenizer_sha256"):
+        return str(plan["tokenizer_sha256"])
+    tokenizer = plan.get("tokenizer")
+    if isinstance(tokenizer, dict) and tokenizer.get("sha256"):
+        return str(tokenizer["sha256"])
+    if tokens:
+        from tokenmill.formats.tokens import COUNTS, read_counts
+
+        path = storage.join(tokens, COUNTS)
+        if storage.exists(path):
+            catalog = read_counts(path).tokenizer
+            return (catalog.sha256 if catalog else None) or None
+    return None

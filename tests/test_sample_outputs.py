@@ -1,0 +1,179 @@
+"""No behaviour change: the demo's data stages on the bundled sample give the outputs they gave before.
+
+The stages run as `make demo` runs them (scripts/demo.sh), in a scratch folder laid out like the checkout:
+classifier data and the two classifiers, `curate` with configs/curate/mixed.yaml on data/sample, the
+tokenizer, `tokenize`, and the plan of mixtures/demo.yaml. Every output file's content checksum must equal
+tests/fixtures/sample-outputs.json. That file was written during issue 17 (one typed reader per format,
+the sample generators moved into tokenmill.samples) and checked against the commit before that work: the
+same content in every file but the two that other changes of the same tree meant to change (exact
+dedupe's removal detail gained `text_hash`, stats.json's `inputs` became relative names).
+
+Checksums are of content, not bytes, where the bytes depend on a library's version rather than on what
+tokenmill wrote: a Parquet file by its schema (names and types) and rows, a .zst file by what it
+decompresses to, a JSON file by its parsed value. Shards, tokenizer and models are compared byte for byte.
+
+A change that is meant to change these outputs regenerates the file, deliberately, and says why:
+
+    .venv/bin/python tests/test_sample_outputs.py --write
+
+(`--of DIR` prints the checksums of a finished demo output folder instead, e.g. `--of out/demo` after
+`make demo`, to compare two trees by hand.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "tests" / "fixtures" / "sample-outputs.json"
+#: What the stages read from the checkout, copied to the scratch folder under the same names (the
+#: recipe's model paths and the mixture's counts: file are relative to it, as in the demo).
+CHECKOUT_INPUTS = ("data/sample", "configs/curate/mixed.yaml", "mixtures/demo.yaml")
+#: The demo's commands (scripts/demo.sh), run from the scratch folder.
+STAGES = [
+    ("classifier data", ["-m", "tokenmill.samples.classifier_data", "--output", "out/demo/classifier-data"]),
+    (
+        "domain classifier",
+        ["-m", "tokenmill", "classifier", "train", "--kind", "domain"]
+        + ["--input", "out/demo/classifier-data/domain.jsonl", "--output", "out/demo/models/domain"],
+    ),
+    (
+        "quality classifier",
+        ["-m", "tokenmill", "classifier", "train", "--kind", "quality"]
+        + ["--input", "out/demo/classifier-data/quality.jsonl", "--output", "out/demo/models/quality"]
+        + ["--calibration", "out/demo/classifier-data/calibration.jsonl"],
+    ),
+    (
+        "curate",
+        ["-m", "tokenmill", "curate", "--recipe", "configs/curate/mixed.yaml", "--input", "data/sample/*"]
+        + ["--output", "out/demo/curate", "--overwrite"],
+    ),
+    (
+        "tokenizer",
+        ["-m", "tokenmill", "tokenizer", "train", "--input", "out/demo/curate/curated"]
+        + ["--vocab-size", "4096", "--name", "tokenmill-bpe-4k", "--output", "out/demo/tokenizer.json"],
+    ),
+    (
+        "tokenize",
+        ["-m", "tokenmill", "tokenize", "--input", "out/demo/curate/curated", "--output", "out/demo/tokens"]
+        + ["--tokenizer", "out/demo/tokenizer.json", "--overwrite"],
+    ),
+]
+PLAN = ["-m", "tokenmill", "mixture", "plan", "mixtures/demo.yaml", "--json"]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def content_checksum(path: Path) -> str:
+    """The sha256 of what a file holds, independent of the writing library's version where that matters."""
+    name = path.name
+    if name.endswith(".parquet"):
+        table = pq.read_table(path)
+        schema = [[field.name, str(field.type)] for field in table.schema]
+        rows = "".join(json.dumps(row, sort_keys=True) + "\n" for row in table.to_pylist())
+        return _sha256(json.dumps(schema).encode() + b"\n" + rows.encode())
+    if name.endswith(".zst"):
+        return _sha256(zstandard.ZstdDecompressor().stream_reader(path.read_bytes()).read())
+    if name.endswith(".json"):
+        return _sha256(json.dumps(json.loads(path.read_text()), sort_keys=True).encode())
+    return _sha256(path.read_bytes())
+
+
+def output_checksums(demo: Path) -> dict[str, str]:
+    """Every output of the data stages under a demo folder (out/demo), by relative path; the classifier
+    training data, an input made by a generator with its own test, is left out."""
+    return {
+        path.relative_to(demo).as_posix(): content_checksum(path)
+        for path in sorted(demo.rglob("*"))
+        if path.is_file() and not path.relative_to(demo).as_posix().startswith("classifier-data/")
+    }
+
+
+def run_sample_stages(work: Path) -> Path:
+    """Run the demo's data stages in `work` (laid out like the checkout); returns work/out/demo."""
+    for relative in CHECKOUT_INPUTS:
+        source, target = REPO / relative, work / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target)
+        else:
+            shutil.copyfile(source, target)
+    for stage, args in STAGES:
+        result = subprocess.run([sys.executable, *args], cwd=work, capture_output=True, text=True)
+        if result.returncode:
+            raise AssertionError(f"{stage} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    plan = subprocess.run([sys.executable, *PLAN], cwd=work, capture_output=True, text=True, check=True)
+    (work / "out" / "demo" / "plan.json").write_text(plan.stdout)
+    return work / "out" / "demo"
+
+
+@pytest.fixture(scope="module")
+def checksums(tmp_path_factory) -> dict[str, str]:
+    return output_checksums(run_sample_stages(tmp_path_factory.mktemp("sample-stages")))
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, str]:
+    return json.loads(FIXTURE.read_text())
+
+
+@pytest.mark.parametrize(
+    "prefix", ["models/", "curate/curated/", "curate/removed/", "curate/rejected/", "curate/stats", "token"]
+)
+def test_the_sample_stages_write_what_they_wrote_before(checksums, expected, prefix):
+    # One test per stage's folder, so that a failure says which stage changed and in which file.
+    mine = {path: sha for path, sha in checksums.items() if path.startswith(prefix)}
+    theirs = {path: sha for path, sha in expected.items() if path.startswith(prefix)}
+    assert theirs, f"the fixture has no {prefix} files"
+    assert sorted(mine) == sorted(theirs), "different files written"
+    changed = sorted(path for path in theirs if mine[path] != theirs[path])
+    assert not changed, f"content changed: {changed[:10]} (see this file's docstring to regenerate)"
+
+
+def test_the_plan_is_the_plan_planned_before(checksums, expected):
+    assert checksums["plan.json"] == expected["plan.json"]
+    assert set(checksums) == set(expected)
+
+
+def test_the_sample_generator_still_makes_the_bundled_sample(tmp_path):
+    # data/sample is committed; tokenmill.samples.corpus, run as `make sample` runs it, makes the same bytes.
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_sample_corpus.py"), "--output", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    committed = {path.name: path.read_bytes() for path in sorted((REPO / "data" / "sample").iterdir())}
+    assert {path.name: path.read_bytes() for path in sorted(tmp_path.iterdir())} == committed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write or print the sample outputs' checksums.")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--write", action="store_true", help=f"run the stages and write {FIXTURE}")
+    what.add_argument("--of", metavar="DIR", help="print the checksums of a demo output folder (out/demo)")
+    args = parser.parse_args(argv)
+    if args.of:
+        print(json.dumps(output_checksums(Path(args.of)), indent=2, sort_keys=True))
+        return 0
+    with tempfile.TemporaryDirectory() as work:
+        checksums = output_checksums(run_sample_stages(Path(work)))
+    FIXTURE.write_text(json.dumps(checksums, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {len(checksums)} checksums to {FIXTURE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
