@@ -107,6 +107,32 @@ def fit_power_law(flops: np.ndarray, loss: np.ndarray, group: np.ndarray, groups
     return Fit(float(theta[0]), float(theta[1]), np.array(theta[2:]), x0, rss, bool(result.success))
 
 
+def _run_record(run: RunCurve, final_flops: float) -> dict[str, Any]:
+    """A run as ladder.json lists it, with its final compute in the fit's convention."""
+    return {
+        "path": run.path,
+        "name": run.name,
+        "planned_steps": run.planned_steps,
+        "last_step": int(run.steps[-1]),
+        "final_flops": final_flops,
+        **run.info,
+    }
+
+
+def _point_record(point: Point, fitted: float) -> dict[str, Any]:
+    """A matched (run, fraction) point as ladder.json lists it, with the law's value there."""
+    return {
+        "run": point.run,
+        "fraction": point.fraction,
+        "step": point.step,
+        "flops": point.flops,
+        "loss": point.loss,
+        "loss_se": point.loss_se,
+        "window": point.window,
+        "fitted": fitted,
+    }
+
+
 def _percentiles(values: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
     tail = (1 - level) / 2 * 100
     return np.percentile(values, tail, axis=0), np.percentile(values, 100 - tail, axis=0)
@@ -221,30 +247,8 @@ def fit_ladder(
         "law": "L(C) = E + A_f * C^-alpha; E and alpha shared, one A_f per fraction of training",
         "fractions": list(used),
         "window": window,
-        "runs": [
-            {
-                "path": run.path,
-                "name": run.name,
-                "planned_steps": run.planned_steps,
-                "last_step": int(run.steps[-1]),
-                "final_flops": float(run.flops[-1]),
-                **run.info,
-            }
-            for run in runs
-        ],
-        "points": [
-            {
-                "run": p.run,
-                "fraction": p.fraction,
-                "step": p.step,
-                "flops": p.flops,
-                "loss": p.loss,
-                "loss_se": p.loss_se,
-                "window": p.window,
-                "fitted": float(fitted[i]),
-            }
-            for i, p in enumerate(points)
-        ],
+        "runs": [_run_record(run, float(run.flops[-1])) for run in runs],
+        "points": [_point_record(p, float(fitted[i])) for i, p in enumerate(points)],
         "fit": {
             "E": fit.E,
             "alpha": fit.alpha,
@@ -451,31 +455,8 @@ def _fit_marin(
         "at each fraction of training (log-log least squares)",
         "fractions": list(used),
         "window": window,
-        "runs": [
-            {
-                "path": run.path,
-                "name": run.name,
-                "planned_steps": run.planned_steps,
-                "last_step": int(run.steps[-1]),
-                "final_flops": run.compute(int(run.steps[-1]), convention),
-                **run.info,
-            }
-            for run in runs
-        ],
-        "points": [
-            {
-                "run": p.run,
-                "fraction": p.fraction,
-                "step": p.step,
-                "flops": p.flops,
-                "loss": p.loss,
-                "loss_se": p.loss_se,
-                "window": p.window,
-                "fitted": fitted_of[p],
-            }
-            for p in points
-            if p.fraction in laws
-        ],
+        "runs": [_run_record(run, run.compute(int(run.steps[-1]), convention)) for run in runs],
+        "points": [_point_record(p, fitted_of[p]) for p in points if p.fraction in laws],
         "fit": {
             "E": asymptote,
             "E_fixed": True,
