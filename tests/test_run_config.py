@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_trainer_cli import MIXTURE, TINY, read_metrics, write_tokens
+from test_trainer_cli import MIXTURE, TINY, read_metrics, small_plan, write_tokens
 
 from tokenmill.cli import build_parser, main
 from tokenmill.errors import UsageError
@@ -146,8 +146,10 @@ def test_resolving_fills_in_the_marin_recipe_once(tmp_path):
     assert faster.optimizer.adam_lr == pytest.approx(0.003)
     with pytest.raises(RunConfigError, match="phase 'cooldown' is not in the plan"):
         resolve_run_config(run.with_values({"data.phase": "cooldown"}), phases)
+    planned = small_plan({"pretraining": 800, "midtraining": 200}, batch_size=8)
+    assert phases_from_plan(planned) == phases
     with pytest.raises(RunConfigError, match=r"batch size 4 \(--batch-size\) differs from the plan's 8"):
-        resolve_run_config(run.with_values({"data.batch_size": 4}), phases, {"batch_size": 8})
+        resolve_run_config(run.with_values({"data.batch_size": 4}), phases, planned)
 
 
 @pytest.mark.parametrize("path", sorted(RUNS.glob("*.yaml")), ids=lambda path: path.name)
@@ -163,7 +165,7 @@ def test_the_marin_rung_trains_with_the_ladders_optimizer(monkeypatch):
     """configs/runs/marin-d768.yaml resolves to the optimizer `tokenmill ladder plan` prints for the rung."""
     monkeypatch.chdir(REPO)
     run = build_run_config(read_run_config_file("configs/runs/marin-d768.yaml"))
-    plan = plan_mixture(load_mixture(run.data.mixture)).to_json()
+    plan = plan_mixture(load_mixture(run.data.mixture))
     resolved = resolve_run_config(run, phases_from_plan(plan), plan)
     rung = next(
         r for r in plan_ladder(load_ladder("configs/ladders/marin.yaml"))["rungs"] if r["name"] == "d768"

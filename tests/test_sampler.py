@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.errors import FormatError
-from tokenmill.formats.plan import MixturePlan, plan_from_json, write_plan
+from tokenmill.formats.plan import MixturePlan, plan_from_json, read_plan, write_plan
 from tokenmill.mixtures import load_counts, load_mixture, load_mixture_text, plan_mixture
 from tokenmill.tokenize.shards import ShardError
 from tokenmill.tokenize.tokenizer import TokenizerInfo
@@ -603,17 +603,25 @@ def test_plan_errors_are_clear(plan, tokens_dir):
         MixtureSource.from_plan(plan, "pretraining", tokens_dir, 0).batch(-1)
 
 
-def test_a_plan_given_as_json_reads_through_the_format(plan, tokens_dir):
-    # `tokenmill train --plan` hands over the file's JSON: the same batches as the typed plan.
-    typed, parsed = (MixtureSource.from_plan(p, "midtraining", tokens_dir, 4) for p in (plan, plan.to_json()))
+def test_a_plan_file_reads_back_to_the_same_batches(tmp_path, plan, tokens_dir):
+    # `tokenmill train --plan` reads the file `tokenmill mixture plan --json` wrote: the same batches.
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+    read_back = read_plan(str(path))
+    typed, parsed = (MixtureSource.from_plan(p, "midtraining", tokens_dir, 4) for p in (plan, read_back))
     assert np.array_equal(typed.batch(3).tokens, parsed.batch(3).tokens)
     assert typed.phase == parsed.phase == plan.phase("midtraining")
-    # A hand-edited plan that breaks the format is refused before any shard is opened, naming the field.
+    # A hand-edited plan that breaks the format is refused on read, before any shard is opened, naming the
+    # file and the field.
     broken = plan.to_json()
     broken["phases"][1]["sources"][0]["block_sequences"] = "4"
     del broken["batch_size"]
-    with pytest.raises(FormatError, match=r"no 'batch_size'.*phases\[1\]\.sources\[0\]\.block_sequences"):
-        MixtureSource.from_plan(broken, "midtraining", tokens_dir, 4)
+    path.write_text(json.dumps(broken))
+    with pytest.raises(
+        FormatError, match=r"no 'batch_size'.*phases\[1\]\.sources\[0\]\.block_sequences"
+    ) as error:
+        read_plan(str(path))
+    assert error.value.path == str(path)
 
 
 def test_plans_without_block_sequences_use_largest_remainder(plan, tokens_dir):

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_trainer_cli import small_plan
 
 from tokenmill.trainer.config import ModelConfig, MoEConfig
 from tokenmill.trainer.data import Batch, SyntheticSource, check_source, segments_from_eos
@@ -84,9 +85,8 @@ def test_resume_is_exact(tmp_path):
 
 def test_midtraining_continues_from_pretraining_with_the_decay(tmp_path):
     model_cfg = tiny()
-    plan = {"phases": [{"name": "pretraining", "start_step": 0, "end_step": 6},
-                       {"name": "midtraining", "start_step": 6, "end_step": 10}]}  # fmt: skip
-    phases = phases_from_plan(plan)
+    phases = phases_from_plan(small_plan({"pretraining": 6, "midtraining": 4}))
+    assert phases == [Phase("pretraining", 0, 6), Phase("midtraining", 6, 10)]
     with pytest.raises(TrainingError, match="continues from the previous phase"):
         train(
             config(tmp_path, data__phase="midtraining", schedule__warmup_steps=2), source(model_cfg), phases

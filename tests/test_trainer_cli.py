@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tokenmill.cli import main
+from tokenmill.formats.plan import MixturePlan, plan_from_json, write_plan
 from tokenmill.tokenize.tokenizer import TokenizerInfo
 from tokenmill.tokenize.writer import write_counts, write_manifest, write_shard
 
@@ -23,6 +24,32 @@ TINY = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny.ya
 
 def read_metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def small_plan(steps: dict[str, int], batch_size: int = 4, sequence_length: int = 32) -> MixturePlan:
+    """A complete mixture plan (docs/formats.md) of one source, each phase given by its steps, in order."""
+    tokens_per_step = batch_size * sequence_length
+    phases, start = [], 0
+    for name, phase_steps in steps.items():
+        tokens = phase_steps * tokens_per_step
+        source = {"name": "web", "cells": ["domain=web/quality=3"], "weight": 1.0, "tokens": tokens,
+                  "tokens_available": tokens, "epochs": 1.0}  # fmt: skip
+        phases.append({"name": name, "tokens": tokens, "steps": phase_steps, "start_step": start,
+                       "end_step": start + phase_steps, "sources": [source]})  # fmt: skip
+        start += phase_steps
+    return plan_from_json(
+        {
+            "name": "test",
+            "tokenizer": "test-bpe",
+            "total_tokens": start * tokens_per_step,
+            "sequence_length": sequence_length,
+            "batch_size": batch_size,
+            "block_size": batch_size,
+            "tokens_per_step": tokens_per_step,
+            "total_steps": start,
+            "phases": phases,
+        }  # fmt: skip
+    )
 
 
 def write_tokens(root: Path, vocab_size: int, sha: str = "a" * 64) -> Path:
@@ -102,13 +129,22 @@ def test_usage_errors(tmp_path, capsys):
     )
     assert "cannot read model config" in capsys.readouterr().err
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"sequence_length": 32, "batch_size": 4, "phases": [
-        {"name": "pretraining", "start_step": 0, "end_step": 4}]}))  # fmt: skip
+    write_plan(str(plan), small_plan({"pretraining": 4}))
     args = ["train", "--synthetic", "--plan", str(plan), "--model", TINY, "--output", out]
     assert main([*args, "--phase", "cooldown"]) == 2
     assert "phase 'cooldown' is not in the plan" in capsys.readouterr().err
     assert main([*args, "--seq-len", "4096"]) == 2
     assert "longer than the model's seq_len" in capsys.readouterr().err
+    # A plan file that breaks the format is refused before anything trains, naming the file and the fields.
+    plan.write_text(json.dumps({"sequence_length": 32, "batch_size": "4", "phases": [
+        {"name": "pretraining", "start_step": 0, "end_step": 4}]}))  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read plan {plan}: no 'name', 'tokenizer'" in err and "batch_size" in err, err
+    assert "phases[0] has no 'tokens', 'steps'" in err, err
+    assert not Path(out).exists()
+    assert main([*args[:3], str(tmp_path / "missing.json"), *args[4:]]) == 2
+    assert f"cannot read plan {tmp_path / 'missing.json'}: No such file" in capsys.readouterr().err
 
 
 @pytest.mark.slow

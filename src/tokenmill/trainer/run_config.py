@@ -16,7 +16,6 @@ Paths in a run configuration are taken as the command line takes them: relative 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
@@ -24,6 +23,9 @@ from typing import Annotated, Any, Literal, Protocol
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from tokenmill.errors import FormatError
+from tokenmill.formats.plan import MixturePlan
+from tokenmill.formats.runs import read_run_record
 from tokenmill.trainer.config import ModelConfig, load_model_config
 from tokenmill.trainer.heuristic import HEURISTICS, MAY_RECIPE, is_marin_family, warmup_steps_for
 from tokenmill.units import parse_count
@@ -275,15 +277,17 @@ def read_run_config_file(path: str) -> dict[str, Any]:
 
     Raises RunConfigError naming the file and, for an unknown or bad field, the field."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        if path.endswith(".json"):
+            # A run's config.json: read through its format, which checks the records the trainer added.
+            raw = read_run_record(path).to_json()
+        else:
+            raw = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except OSError as error:
         raise RunConfigError(
             f"{path}: cannot read the run configuration ({error.strerror or error})"
         ) from error
-    try:
-        raw = json.loads(text) if path.endswith(".json") else yaml.load(text, Loader=_UniqueKeyLoader)
-    except json.JSONDecodeError as error:
-        raise RunConfigError(f"{path}: not valid JSON ({error})") from error
+    except FormatError as error:
+        raise RunConfigError(str(error)) from error
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f"line {mark.line + 1}: " if mark else ""
@@ -339,7 +343,7 @@ def build_run_config(
 
 
 def resolve_run_config(
-    run: RunConfig, phases: Sequence[PhaseLike], plan: Mapping[str, Any] | None = None
+    run: RunConfig, phases: Sequence[PhaseLike], plan: MixturePlan | None = None
 ) -> RunConfig:
     """Every unset field filled in, as this run will train: what runs/NAME/config.json records.
 
@@ -356,13 +360,13 @@ def resolve_run_config(
     if data.phase not in by_name:
         raise RunConfigError(f"phase {data.phase!r} is not in the plan (phases: {', '.join(by_name)})")
     phase = by_name[data.phase]
-    plan = plan or {}
-    if plan.get("batch_size") and data.batch_size and data.batch_size != int(plan["batch_size"]):
+    planned_batch = plan.batch_size if plan is not None else None
+    if planned_batch and data.batch_size and data.batch_size != planned_batch:
         raise RunConfigError(
-            f"batch size {data.batch_size} (--batch-size) differs from the plan's {plan['batch_size']}"
+            f"batch size {data.batch_size} (--batch-size) differs from the plan's {planned_batch}"
         )
-    batch_size = data.batch_size or int(plan.get("batch_size") or DEFAULT_BATCH_SIZE)
-    seq_len = data.seq_len or int(plan.get("sequence_length") or model.seq_len)
+    batch_size = data.batch_size or planned_batch or DEFAULT_BATCH_SIZE
+    seq_len = data.seq_len or (plan.sequence_length if plan is not None else None) or model.seq_len
     if seq_len > model.seq_len:
         raise RunConfigError(f"sequence length {seq_len} is longer than the model's seq_len {model.seq_len}")
 

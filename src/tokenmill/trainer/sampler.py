@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from tokenmill import storage
-from tokenmill.formats.plan import MixturePlan, PhasePlan, SourcePlan, plan_from_json
+from tokenmill.formats.plan import MixturePlan, PhasePlan, SourcePlan
 from tokenmill.tokenize.shards import ShardError, TokenCatalog, TokenShards
 from tokenmill.trainer.data import Batch, process_rows
 from tokenmill.trainer.remote import RemoteCatalog, RemoteCell, RemoteOptions, RemoteReads, check_shards
@@ -364,7 +364,7 @@ class MixtureSource:
     @classmethod
     def from_plan(
         cls,
-        plan: MixturePlan | Mapping[str, Any],
+        plan: MixturePlan,
         phase: str,
         tokens_dir: str,
         seed: int,
@@ -379,8 +379,8 @@ class MixtureSource:
     ) -> MixtureSource:
         """The source of a plan's phase over the token shards in `tokens_dir`, checked before any batch.
 
-        plan: the mixture plan (`plan_mixture`'s, or `tokenmill.formats.plan.read_plan`'s); its JSON
-        (`tokenmill mixture plan --json`) is read through `plan_from_json` once, here; phase: the phase's
+        plan: the mixture plan (`plan_mixture`'s, or a plan file's read with `formats.plan.read_plan`,
+        which names the field that breaks the format: it is not re-parsed here); phase: the phase's
         name; tokens_dir: the token shards (with counts.json), a local folder or gs://... ; seed: keys
         every permutation; process_index and process_count: this process's slice of each batch
         (`process_rows`). block_shuffle: None (uniform, the default) or a `BlockShuffle`. reader, for
@@ -396,10 +396,6 @@ class MixtureSource:
         an unknown phase or cell, a source with no windows, mixed tokenizers, a shard missing or not
         the size (or with verify_shards, the sha256) its manifest says.
         """
-        if not isinstance(plan, MixturePlan):
-            # Parsed JSON, as `tokenmill train --plan` still hands it: read here, once, through the format
-            # (a FormatError, a ValueError, names the field that breaks it).
-            plan = plan_from_json(plan)
         names = [p.name for p in plan.phases]
         if phase not in names:
             raise ValueError(f"phase {phase!r} is not in the plan (phases: {', '.join(names) or 'none'})")

@@ -12,7 +12,6 @@ Everything about a run but the data source comes in one `RunConfig` (run_config.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -28,7 +27,15 @@ import numpy as np
 import optax
 
 from tokenmill.errors import FormatError
-from tokenmill.formats.runs import METRICS, metrics_line, parse_metrics_line
+from tokenmill.formats.plan import MixturePlan
+from tokenmill.formats.runs import (
+    CONFIG,
+    METRICS,
+    metrics_line,
+    parse_metrics_line,
+    read_run_record,
+    write_run_record,
+)
 from tokenmill.trainer import model
 from tokenmill.trainer.checkpoint import Checkpointer
 from tokenmill.trainer.config import ModelConfig
@@ -66,12 +73,9 @@ class Phase:
         return self.end_step - self.start_step
 
 
-def phases_from_plan(plan: dict) -> list[Phase]:
-    """The phases of a mixture plan (`tokenmill mixture plan --json`), in order."""
-    phases = [Phase(p["name"], int(p["start_step"]), int(p["end_step"])) for p in plan["phases"]]
-    if not phases:
-        raise ValueError("the mixture plan has no phases")
-    return phases
+def phases_from_plan(plan: MixturePlan) -> list[Phase]:
+    """The phases of a mixture plan, in order (the format guarantees at least one)."""
+    return [Phase(phase.name, phase.start_step, phase.end_step) for phase in plan.phases]
 
 
 def make_schedule(run: RunConfig, phases: list[Phase]) -> Schedule:
@@ -199,7 +203,7 @@ def train(
     run: RunConfig,
     source: BatchSource,
     phases: list[Phase],
-    plan: dict | None = None,
+    plan: MixturePlan | None = None,
     stop_after: int | None = None,
 ) -> list[dict]:
     """Train the run's phase (resuming from its checkpoints) and return the metrics rows logged.
@@ -266,15 +270,15 @@ def train(
             "params": count_params(model_cfg).as_dict(),
             "flops_per_token": flops_per_token(model_cfg, seq_len),
             "processes": jax.process_count(),
-            "plan": plan,
+            "plan": plan.to_json() if plan is not None else None,
         }
         if jax.process_index() == 0:
             # One file per run: each phase's settings are kept under "phases", the latest also at the top.
-            config_path = run_dir / "config.json"
-            previous = json.loads(config_path.read_text()) if config_path.exists() else {}
+            config_path = str(run_dir / CONFIG)
+            previous = read_run_record(config_path).phases if os.path.exists(config_path) else None
             this_phase = {key: value for key, value in settings.items() if key != "model"}
-            config_record["phases"] = {**previous.get("phases", {}), phase.name: this_phase}
-            config_path.write_text(json.dumps(config_record, indent=2) + "\n")
+            config_record["phases"] = {**(previous or {}), phase.name: this_phase}
+            write_run_record(config_path, config_record)
         writer = MetricsWriter(run_dir, start, run.logging.wandb_project, config_record)
 
         def record(done: int) -> dict:

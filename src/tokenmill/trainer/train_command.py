@@ -10,7 +10,6 @@ configuration's defaults are in run_config.py alone.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import types
 import typing
@@ -23,7 +22,8 @@ from pydantic import BaseModel, BeforeValidator
 from pydantic.fields import FieldInfo
 
 from tokenmill import storage
-from tokenmill.errors import UsageError
+from tokenmill.errors import FormatError, UsageError
+from tokenmill.formats.plan import MixturePlan, read_plan
 from tokenmill.trainer.run_config import RunConfig
 from tokenmill.units import format_count
 
@@ -279,17 +279,20 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_plan(run: RunConfig) -> tuple[dict, str | None]:
-    """The mixture plan as the JSON of `tokenmill mixture plan --json` (docs/formats.md), and the token
-    shards directory: data.tokens, else (with a mixture) the folder of the mixture's own `counts:` file.
+def _load_plan(run: RunConfig) -> tuple[MixturePlan, str | None]:
+    """The mixture plan (docs/formats.md, "Mixture plan") and the token shards directory: data.tokens,
+    else (with a mixture) the folder of the mixture's own `counts:` file.
 
-    With data.mixture, the plan is made here against the shards' counts.json."""
+    With data.plan, the plan file is read through its format (an error names the file and the field);
+    with data.mixture, the plan is made here against the shards' counts.json."""
     data = run.data
     if data.plan:
         try:
-            return json.loads(Path(data.plan).read_text()), data.tokens
-        except (OSError, json.JSONDecodeError) as error:
-            raise UsageError(f"cannot read plan {data.plan}: {error}") from error
+            return read_plan(data.plan), data.tokens
+        except OSError as error:
+            raise UsageError(f"cannot read plan {data.plan}: {error.strerror or error}") from error
+        except FormatError as error:
+            raise UsageError(f"cannot read plan {error}") from error
     from tokenmill.mixtures import load_counts, load_mixture, plan_mixture
 
     tokens = data.tokens
@@ -307,10 +310,10 @@ def _load_plan(run: RunConfig) -> tuple[dict, str | None]:
         )
     except (ValueError, OSError) as error:  # MixtureError is a ValueError
         raise UsageError(f"cannot plan {data.mixture}: {error}") from error
-    return plan.to_json(), tokens
+    return plan, tokens
 
 
-def _mixture_source(plan: dict, run: RunConfig, process_index: int, process_count: int):
+def _mixture_source(plan: MixturePlan, run: RunConfig, process_index: int, process_count: int):
     from tokenmill.trainer.remote import RemoteOptions
     from tokenmill.trainer.sampler import MixtureSource, PrefetchedBatches
 
@@ -338,13 +341,10 @@ def _mixture_source(plan: dict, run: RunConfig, process_index: int, process_coun
     return source
 
 
-def _expected_tokenizer_sha256(plan: dict, tokens: str | None) -> str | None:
+def _expected_tokenizer_sha256(plan: MixturePlan, tokens: str | None) -> str | None:
     """The tokenizer hash the mixture was planned for: the plan's own, else the shards catalog's."""
-    if plan.get("tokenizer_sha256"):
-        return str(plan["tokenizer_sha256"])
-    tokenizer = plan.get("tokenizer")
-    if isinstance(tokenizer, dict) and tokenizer.get("sha256"):
-        return str(tokenizer["sha256"])
+    if plan.tokenizer_sha256:
+        return plan.tokenizer_sha256
     if tokens:
         from tokenmill.formats.tokens import COUNTS, read_counts
 
