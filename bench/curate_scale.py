@@ -7,7 +7,9 @@ carries: 4% exact copies (one boilerplate page copied 1,000 times among them: a 
 command as a user's runs on Beam's local runner with `--workers` processes; while it runs, the resident
 memory of every process in its tree is sampled, so the table shows the peak of each SDK worker process
 (what a Dataflow worker holds) apart from the launcher (which also holds the local runner's shuffle: on
-Dataflow that is the shuffle service's job, not a worker's).
+Dataflow that is the shuffle service's job, not a worker's). On this runner a worker also holds its
+share of each stage's whole input: FnApiRunner sends it as one message per worker before the bundle
+starts, so the worker figure grows with the corpus here in a way a Dataflow worker's does not.
 
     python bench/curate_scale.py [--sizes 10000,40000,160000] [--workers 2]
 

@@ -119,3 +119,25 @@ def test_recipe_builds_steps_in_order():
     names = [step if isinstance(step, str) else step.stage for step in steps]
     assert names == recipe.stage_names()
     assert json.dumps(recipe.model_dump())  # the recipe serializes (it is recorded with the run)
+
+
+def test_shared_word_splitting_does_not_grow_the_vocabulary_with_the_corpus():
+    """Every new token spaCy meets is interned for the life of the worker unless split in a memory zone:
+    on web text (URLs, numbers, typos) that is memory growing with the corpus."""
+    import random
+
+    from tokenmill.filters.heuristics import SharedWordTokenizer
+
+    words = SharedWordTokenizer("en")
+    strings = words._reference.tokenizer.vocab.strings
+    words.prime(["warm up the tokenizer with a sentence."])
+    before = len(strings)
+    rng = random.Random(3)
+    for _ in range(20):
+        texts = [
+            " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(9)) for _ in range(40))
+            for _ in range(50)
+        ]
+        words.prime(texts)
+        assert len(words.word_tokenize(texts[0])) == 40  # answered from the primed batch
+    assert len(strings) - before < 100  # 40,000 distinct words were split

@@ -75,13 +75,17 @@ class SharedWordTokenizer(WordTokenizer):
         kept = {text: self._words[text] for text in texts if text in self._words}
         self._words = OrderedDict(kept)
         self._spans.clear()
-        tokenizer = self._reference.tokenizer.tokenizer  # the spaCy Tokenizer inside the blank pipeline
-        try:
-            docs = list(tokenizer.pipe(missing))
-        except Exception:
-            return  # let word_tokenize fall back to datatrove, which knows spaCy's quirks
-        for text, doc in zip(missing, docs):
-            self._words[text] = strip_strings([token.text for token in doc])
+        nlp = self._reference.tokenizer  # datatrove's blank spaCy pipeline
+        # spaCy interns every new token string in the vocabulary for the life of the process; on web text
+        # (every URL, number and typo a new string) that grows a worker's memory with the corpus. Inside a
+        # memory zone the strings of this batch are released when it ends; the words are copied out first.
+        with nlp.memory_zone():
+            try:
+                docs = list(nlp.tokenizer.pipe(missing))
+            except Exception:
+                return  # let word_tokenize fall back to datatrove, which knows spaCy's quirks
+            for text, doc in zip(missing, docs):
+                self._words[text] = strip_strings([token.text for token in doc])
 
     def word_tokenize(self, text: str) -> list[str]:
         words = self._words.get(text)
