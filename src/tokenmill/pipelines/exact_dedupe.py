@@ -27,9 +27,11 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import apache_beam as beam
 
+from tokenmill.pipelines.readers import DuplicateIdError
 from tokenmill.pipelines.sinks import stable_hash
 
 STAGE = "exact_dedupe"
@@ -39,10 +41,6 @@ GROUP_SIZE = 1000
 # Tags of the values in the id join and the salted join.
 _DOCUMENT, _VERDICT = 0, 1
 _KEPT_ID, _COPY_ID = 0, 1
-
-
-class DuplicateIdError(ValueError):
-    """Two documents reached a dedupe stage with the same id (ids are unique by construction upstream)."""
 
 
 def text_hash(text: str) -> str:
@@ -108,23 +106,33 @@ def _verdicts(element: tuple[tuple[str, int], Iterable[tuple[int, str]]]):
             yield identifier, (digest, kept_id)
 
 
+def document_and_decision(
+    stage: str, identifier: str, values: Iterable[tuple[int, Any]]
+) -> tuple[dict | None, Any]:
+    """The values a join by id grouped under one id, tagged 0 for the document and 1 for what was decided
+    about it: (the document, the decision), either None where absent. Two documents with one id fail the
+    run (DuplicateIdError): a dedupe stage keeps or removes by id. Memory: the two values of one id."""
+    document = decision = None
+    for tag, value in values:
+        if tag == _DOCUMENT:
+            if document is not None:
+                raise DuplicateIdError(
+                    f"{stage}: two documents have the id {identifier!r} (sources "
+                    f"{document.get('source')!r} and {value.get('source')!r}); ids must be unique, and "
+                    "dedupe keeps or removes by id"
+                )
+            document = value
+        else:
+            decision = value
+    return document, decision
+
+
 class _Decide(beam.DoFn):
     """id -> its document and its verdict: kept (main output) or removed ('removed')."""
 
     def process(self, element: tuple[str, Iterable[tuple[int, object]]]):
         identifier, values = element
-        document = verdict = None
-        for tag, value in values:
-            if tag == _DOCUMENT:
-                if document is not None:
-                    raise DuplicateIdError(
-                        f"{STAGE}: two documents have the id {identifier!r} (sources "
-                        f"{document.get('source')!r} and {value.get('source')!r}); ids must be unique, and "
-                        "dedupe keeps or removes by id"
-                    )
-                document = value
-            else:
-                verdict = value
+        document, verdict = document_and_decision(STAGE, identifier, values)
         if document is None or verdict is None:  # cannot happen: every verdict comes from a document
             raise RuntimeError(f"{STAGE}: id {identifier!r} has no document or no verdict")
         digest, kept_id = verdict

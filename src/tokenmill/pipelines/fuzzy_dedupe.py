@@ -55,7 +55,7 @@ import numpy as np
 from apache_beam.transforms.window import GlobalWindows
 
 from tokenmill.filters.minhash import MAX_NGRAM, MinHasher, containment, jaccard
-from tokenmill.pipelines.exact_dedupe import DuplicateIdError, salt_count
+from tokenmill.pipelines.exact_dedupe import document_and_decision, salt_count
 from tokenmill.pipelines.sinks import stable_hash
 
 STAGE = "fuzzy_dedupe"
@@ -574,17 +574,7 @@ class _Decide(beam.DoFn):
 
     def process(self, element):
         identifier, values = element
-        document = label = None
-        for tag, value in values:
-            if tag == _DOCUMENT:
-                if document is not None:
-                    raise DuplicateIdError(
-                        f"{STAGE}: two documents have the id {identifier!r} (sources "
-                        f"{document.get('source')!r} and {value.get('source')!r}); ids must be unique"
-                    )
-                document = value
-            else:
-                label = value
+        document, label = document_and_decision(STAGE, identifier, values)
         if document is None:  # cannot happen: every node comes from a document
             raise RuntimeError(f"{STAGE}: a label for {identifier!r}, which has no document")
         if label is None:  # no near duplicates

@@ -66,7 +66,9 @@ class InputFields:
 
 
 class DuplicateIdError(ValueError):
-    """Two records of one input file carry the same id; the message names the file, the id and both lines."""
+    """Two records carry the same id: two of one input file (named with both lines by the reader), or two
+    documents meeting in a dedupe stage's join by id. Ids are unique by construction, so either stops
+    the run."""
 
 
 def input_format(path: str) -> str | None:
