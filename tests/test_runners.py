@@ -520,46 +520,35 @@ def test_a_shared_model_loads_once_per_process_however_often_its_step_is_pickled
     assert pickle.loads(pickle.dumps(copies[0]))._held is None
 
 
+LANGUAGE_MODEL_SCRIPT = """
+import random, sys
+import fasttext
+
+path = sys.argv[1]
+words = {
+    "en": "the cat sat on the mat and the dog ran in the park with the children".split(),
+    "fr": "le chat est sur le tapis et le chien court dans le parc avec les enfants".split(),
+}
+rng = random.Random(0)
+train = path + ".txt"
+with open(train, "w") as handle:
+    handle.write("".join(
+        f"__label__{lang} {' '.join(rng.sample(words[lang], 8))}\\n" for _ in range(100) for lang in words
+    ))
+# The classifier configs' settings (configs/classifiers/*.yaml); smaller hash tables make fastText diverge on
+# so little text.
+fasttext.train_supervised(
+    train, dim=16, epoch=10, lr=0.5, wordNgrams=2, bucket=200_000, minCount=1, thread=1, seed=1, verbose=0
+).save_model(path)
+"""
+
+
 def train_language_model(path: Path) -> None:
-    """A two-language fastText language-id model (lid.176.bin's format), trained in a second."""
-    import random
+    """A two-language fastText language-id model (lid.176.bin's format), trained in a second.
 
-    import fasttext
-
-    words = {
-        "en": "the cat sat on the mat and the dog ran in the park with the children".split(),
-        "fr": "le chat est sur le tapis et le chien court dans le parc avec les enfants".split(),
-    }
-    rng = random.Random(0)
-    train = path.with_suffix(".txt")
-    train.write_text(
-        "".join(
-            f"__label__{lang} {' '.join(rng.sample(words[lang], 8))}\n" for _ in range(100) for lang in words
-        )
-    )
-    # The classifier configs' settings (configs/classifiers/*.yaml); smaller hash tables make fastText
-    # diverge on so little text.
-    model = fasttext.train_supervised(
-        str(train),
-        dim=16,
-        epoch=10,
-        lr=0.5,
-        wordNgrams=2,
-        bucket=200_000,
-        minCount=1,
-        thread=1,
-        seed=1,
-        verbose=0,
-    )
-    model.save_model(str(path))
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    from gcs_emulator import emulator_environment, running_emulator
-
-    with running_emulator() as emulator, emulator_environment(emulator):
-        yield emulator
+    In a fresh process: after some other tests have run in this one, fastText's training on so little
+    text can end in "Encountered NaN"."""
+    subprocess.run([sys.executable, "-c", LANGUAGE_MODEL_SCRIPT, str(path)], check=True, timeout=120)
 
 
 def test_language_and_decontam_models_load_from_gs_once_per_process(gcs, tmp_path, monkeypatch):
