@@ -119,9 +119,12 @@ def main() -> int:
 
         for kind in ("domain", "quality"):
             card = read_card(str(root / kind / CARD))
+            if card.holdout_metrics is None or card.data is None:
+                print(f"{kind} model: no held-out metrics in its card")
+                continue
             print(
                 f"{kind} model: held-out accuracy {card.holdout_metrics.accuracy:.3f} on "
-                f"{card.data.holdout} examples (synthetic data: tokenmill.samples.classifier_data)"
+                f"{card.data.holdout} examples (bundled data: tokenmill.samples.classifier_data)"
             )
         stage_rate = len(texts) / stage_time
         loop_rate = len(texts) / loop_time

@@ -6,9 +6,17 @@ Measures, in one run:
 - the FLOP/s of plain jitted matmuls on the same device: one square, and one shaped like the step's largest
   matmul (the output head). The best of them is the measured peak, and step FLOP/s / peak is the MFU;
 - capacity dispatch against dropless dispatch (ragged_dot) on the same model and batch, with the fraction of
-  routed assignments the capacity dispatch dropped.
+  routed assignments the capacity dispatch dropped;
+- expert parallelism (trainer/expert_parallel.py): in a child process with 8 simulated CPU devices, the same
+  step on a data 1 x fsdp 1 x expert 8 mesh (2 experts a device, the batch split 8 ways, shard_map and
+  all-to-all) against the single-device step in that process, for both transports. The devices share the
+  machine's cores, so the ratio measures what expert parallelism adds (sorting, all-to-all copies, the
+  dropless fallback's larger cells on CPU), not a speed-up.
 
 Runs on CPU by default (fp32); on a GPU or TPU it picks bf16 compute and a larger batch unless told otherwise.
+The last two lines are `train_expert_parallel ratio=X.XX target=0.5 baseline=single_device_step`
+(single-device step time / expert-parallel step time, capacity transport) and `train ratio=X.XX target=0.1
+baseline=jitted_matmul_peak` (the MFU).
 Usage: python bench/train.py [--batch 16 --seq 256 --steps 8 --dtype float32 --json out.json]
 """
 
@@ -16,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import sys
 import time
 
 import jax
@@ -60,8 +71,15 @@ def time_matmul(m: int, k: int, n: int, dtype: str, min_seconds: float) -> float
     return 2 * m * k * n * runs / (time.perf_counter() - start)
 
 
-def time_train_step(cfg: ModelConfig, batch: int, seq: int, steps: int, dtype: str) -> dict:
-    """Compile once, warm up twice, then time `steps` train steps on one device.
+def time_train_step(
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    steps: int,
+    dtype: str,
+    mesh_shape: tuple[int, int, int] = (1, 1, 1),
+) -> dict:
+    """Compile once, warm up twice, then time `steps` train steps on a data x fsdp x expert mesh.
 
     The learning rate is zero: the step does all its work (the optimizer still runs; updates are scaled by
     zero), but the router stays as initialised. From scratch at a real learning rate, the first dozens of
@@ -73,7 +91,7 @@ def time_train_step(cfg: ModelConfig, batch: int, seq: int, steps: int, dtype: s
     data = {"phase": "bench", "batch_size": batch, "seq_len": seq}
     run = RunConfig(model=cfg, compute_dtype=dtype, data=data, optimizer={"kind": "adamw", "lr": 0.0})
     run = resolve_run_config(run, phases)
-    mesh = make_mesh((1, 1, 1))
+    mesh = make_mesh(mesh_shape)
     schedule = make_schedule(run, phases)
     source = SyntheticSource(cfg.vocab_size, seq, batch, seed=0)
     sharding = batch_sharding(mesh)
@@ -101,6 +119,7 @@ def time_train_step(cfg: ModelConfig, batch: int, seq: int, steps: int, dtype: s
     step_flops = flops_per_token(cfg, seq) * tokens_per_step
     return {
         "dispatch": cfg.moe.dispatch,
+        "mesh": list(mesh_shape),
         "compile_and_first_step_s": first_step,
         "step_s": elapsed,
         "tokens_per_second": tokens_per_step / elapsed,
@@ -108,6 +127,36 @@ def time_train_step(cfg: ModelConfig, batch: int, seq: int, steps: int, dtype: s
         "flops_per_second": step_flops / elapsed,
         "drop_fraction": float(jnp.mean(jnp.stack(drops))),
     }
+
+
+EXPERT_DEVICES = 8
+EXPERT_MESH = (1, 1, EXPERT_DEVICES)
+
+
+def expert_parallel_steps(batch: int, seq: int, steps: int, vocab: int, dtype: str) -> list[dict]:
+    """In this process (started with 8 simulated devices): each dispatch's step on one device and on the
+    expert-parallel mesh, in that order."""
+    rows = []
+    for dispatch in ("capacity", "dropless"):
+        for mesh_shape in ((1, 1, 1), EXPERT_MESH):
+            rows.append(time_train_step(bench_model(dispatch, vocab), batch, seq, steps, dtype, mesh_shape))
+    return rows
+
+
+def run_expert_parallel_child(batch: int, seq: int, steps: int, vocab: int, dtype: str) -> list[dict]:
+    """expert_parallel_steps in a fresh process: XLA fixes the device count when jax is first imported."""
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={EXPERT_DEVICES}",
+        JAX_PLATFORMS="cpu",
+    )
+    command = [sys.executable, __file__, "--expert-parallel-child", "--batch", str(batch), "--seq", str(seq)]
+    command += ["--steps", str(steps), "--vocab", str(vocab), "--dtype", dtype]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"expert-parallel bench failed:\n{done.stderr[-4000:]}")
+    line = next(line for line in done.stdout.splitlines() if line.startswith("EXPERT_PARALLEL "))
+    return json.loads(line.removeprefix("EXPERT_PARALLEL "))
 
 
 def main() -> None:
@@ -121,7 +170,15 @@ def main() -> None:
         "--dtype", choices=["float32", "bfloat16"], default="bfloat16" if accelerator else "float32"
     )
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--no-expert-parallel", action="store_true", help="skip the 8-simulated-device expert-parallel steps"
+    )
+    parser.add_argument("--expert-parallel-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.expert_parallel_child:
+        rows = expert_parallel_steps(args.batch, args.seq, args.steps, args.vocab, args.dtype)
+        print("EXPERT_PARALLEL " + json.dumps(rows))
+        return
 
     device = jax.devices()[0]
     results: dict = {
@@ -180,7 +237,28 @@ def main() -> None:
         )
     capacity, dropless = results["steps"]
     print(f"  dropless / capacity step time: {dropless['step_s'] / capacity['step_s']:.2f}x")
+
+    expert_ratio = None
+    if not args.no_expert_parallel:
+        # Simulated devices are CPU devices: on an accelerator machine the child runs the CPU sizes.
+        child = (args.batch, args.seq, args.steps) if not accelerator else (8, 256, 4)
+        dtype = args.dtype if not accelerator else "float32"
+        results["expert_parallel"] = run_expert_parallel_child(*child, args.vocab, dtype)
+        print(f"expert parallelism on {EXPERT_DEVICES} simulated CPU devices (mesh data,fsdp,expert = "
+              f"{','.join(map(str, EXPERT_MESH))}), batch {child[0]} x seq {child[1]}:")  # fmt: skip
+        for single, parallel in zip(results["expert_parallel"][::2], results["expert_parallel"][1::2]):
+            print(
+                f"  {single['dispatch']:<9} one device {single['step_s'] * 1e3:8.1f} ms, expert-parallel "
+                f"{parallel['step_s'] * 1e3:8.1f} ms ({single['step_s'] / parallel['step_s']:.2f}x), dropped "
+                f"{single['drop_fraction']:.1%} / {parallel['drop_fraction']:.1%}  "
+                f"(compile+first {parallel['compile_and_first_step_s']:.1f}s)"
+            )
+        single, parallel = results["expert_parallel"][:2]
+        expert_ratio = single["step_s"] / parallel["step_s"]
     print("JSON " + json.dumps(results))
+    if expert_ratio is not None:
+        # Higher is better: the expert-parallel step's time against the same work on one device.
+        print(f"train_expert_parallel ratio={expert_ratio:.2f} target=0.5 baseline=single_device_step")
     # The result line: MFU of the capacity-dispatch step against this machine's measured matmul peak. The
     # target is for a CPU; on accelerators compare with the reference run's 21-23% on GB200 racks.
     print(f"train ratio={capacity['mfu_vs_measured_peak']:.2f} target=0.1 baseline=jitted_matmul_peak")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job on the bundled sample corpus, end to end (what `make demo` runs):
-# classifiers trained on the spot -> curate -> tokenizer -> tokenize -> mixture plan ->
-# a tiny MoE through pretraining then midtraining -> a miniature scaling ladder (three smaller rungs of the
-# same family) forecasting that run's loss -> the data-overview page with the run page and the forecast.
+# classifiers trained on the spot -> topic domains fitted on the sample -> curate -> tokenizer -> tokenize ->
+# mixture plan -> a tiny MoE through pretraining then midtraining -> a miniature scaling ladder (three
+# smaller rungs of the same family) forecasting that run's loss -> the data-overview page with the run page
+# and the forecast.
 # Every stage is an ordinary tokenmill command; README's tour runs them one by one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ LADDER=${LADDER:-runs/demo-ladder}
 MIXTURE=mixtures/demo.yaml
 RUN_CONFIG=configs/runs/demo.yaml
 LADDER_SPEC=configs/ladders/demo.yaml
-STEPS_TOTAL=12
+STEPS_TOTAL=13
 started=$(date +%s)
 stage=0
 
@@ -32,9 +33,14 @@ banner "train the fastText domain and quality classifiers"
 "$TOKENMILL" classifier train --kind quality --input "$OUT/classifier-data/quality.jsonl" \
   --output "$OUT/models/quality" --calibration "$OUT/classifier-data/calibration.jsonl"
 
-banner "curate data/sample/* into domain x quality cells (Beam, local runner)"
+banner "fit topic domains on the sample: K=32 fine clusters (spherical k-means) -> 8 domains c00..c07"
+# fastText vectors trained on the sample itself; domains under 2% of the documents join their nearest.
+"$TOKENMILL" domains train --input data/sample --k 32 --domains 8 --min-share 0.02 --output "$OUT/models/domains"
+
+banner "curate data/sample/* into topic domain x quality cells (Beam, local runner)"
+# configs/curate/demo.yaml is mixed.yaml plus the domain_clusters stage: cells are cNN x quality.
 # --overwrite: a second demo run replaces the first one's output (an earlier run is refused without it).
-"$TOKENMILL" curate --recipe configs/curate/mixed.yaml --input 'data/sample/*' --output "$OUT/curate" --overwrite
+"$TOKENMILL" curate --recipe configs/curate/demo.yaml --input 'data/sample/*' --output "$OUT/curate" --overwrite
 
 banner "train a byte-level BPE tokenizer on the curated text"
 "$TOKENMILL" tokenizer train --input "$OUT/curate/curated" --vocab-size 4096 --name tokenmill-bpe-4k \
@@ -49,11 +55,15 @@ banner "plan the demo mixture against the token catalog"
 
 banner "train the tiny MoE: pretraining"
 # configs/runs/demo.yaml holds the run (model, mixture, optimizer, ...); flags override its fields.
+# --publish: the run page is republished while training, every 20 steps and at each checkpoint, to where the
+# final report puts it ($OUT/site/run.html), so a follower's link stays the same (docs/reports.md).
 rm -rf "$RUN"
-"$TOKENMILL" train --config "$RUN_CONFIG" --tokens "$OUT/tokens" --phase pretraining --output "$RUN"
+"$TOKENMILL" train --config "$RUN_CONFIG" --tokens "$OUT/tokens" --phase pretraining --output "$RUN" \
+  --publish "$OUT/site" --publish-every 20
 
 banner "train the tiny MoE: midtraining, from the last pretraining checkpoint"
-"$TOKENMILL" train --config "$RUN_CONFIG" --tokens "$OUT/tokens" --phase midtraining --output "$RUN"
+"$TOKENMILL" train --config "$RUN_CONFIG" --tokens "$OUT/tokens" --phase midtraining --output "$RUN" \
+  --publish "$OUT/site" --publish-every 20
 
 banner "plan the miniature scaling ladder: rungs, tokens per active parameter, mixture slices"
 rm -rf "$LADDER"
@@ -77,6 +87,7 @@ banner "fit loss against compute over the rungs and forecast the tiny MoE's loss
 
 banner "build the data-overview page and the run page (with the forecast)"
 "$TOKENMILL" report --curated "$OUT/curate/curated" --tokens "$OUT/tokens" --mixture "$MIXTURE" \
+  --domains-model "$OUT/models/domains" --quality-model "$OUT/models/quality" \
   --run "$RUN" --ladder "$LADDER/ladder.json" --output "$OUT/site"
 
 printf '\ndemo done in %ds: open %s/site/index.html (and run.html)\n' "$(($(date +%s) - started))" "$OUT"

@@ -50,13 +50,13 @@ def fixed_weights(cfg: ModelConfig, seed: int = 0):
     rng = np.random.default_rng(seed)
     structure = jax.eval_shape(lambda key: model.init_params(key, cfg), jax.random.key(0))
 
-    def draw(leaf):
-        if leaf.ndim == 1:
+    def draw(path, leaf):
+        if leaf.ndim - model.layer_axes(path) == 1:  # a vector per layer (stacked layers add an axis)
             return (1.0 + 0.2 * rng.standard_normal(leaf.shape)).astype(np.float32)
         fan_in = leaf.shape[-2]
         return (rng.standard_normal(leaf.shape) / np.sqrt(fan_in)).astype(np.float32)
 
-    params = jax.tree.map(draw, structure)
+    params = jax.tree_util.tree_map_with_path(draw, structure)
     bias = (0.5 * rng.standard_normal((cfg.n_layers, cfg.moe.n_experts))).astype(np.float32)
     return jax.tree.map(jnp.asarray, params), jnp.asarray(bias)
 
@@ -211,8 +211,8 @@ def np_loss(p, bias, tokens, seg, cfg):
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     x = p["embed"][inputs]
     x = np_gated_norm(np_rms_norm(x, p["embed_norm"], cfg.norm_eps), p["embed_gated_norm"])
-    for layer, layer_params in enumerate(p["layers"]):
-        x, _, _ = np_layer(layer_params, x, seg[:, :-1], bias[layer], cfg, layer)
+    for layer in range(cfg.n_layers):
+        x, _, _ = np_layer(model.layer_params(p, cfg, layer), x, seg[:, :-1], bias[layer], cfg, layer)
     x = np_gated_norm(np_rms_norm(x, p["final_norm"], cfg.norm_eps), p["final_gated_norm"])
     logits = x @ p["lm_head"]
     top = logits.max(-1, keepdims=True)
@@ -238,9 +238,9 @@ def test_block_matches_the_numpy_reference(dispatch):
     reference = as_float64(params)
     for layer in range(cfg.n_layers):  # 0: local, half RoPE, 2 KV heads; 1: global (last), NoPE, 1 KV head
         run = jax.jit(lambda p, x, b, layer=layer: model.layer_forward(p, x, jnp.asarray(seg), b, cfg, layer))
-        out, stats = run(params["layers"][layer], x, bias[layer])
+        out, stats = run(model.layer_params(params, cfg, layer), x, bias[layer])
         expected, next_bias, load = np_layer(
-            reference["layers"][layer],
+            model.layer_params(reference, cfg, layer),
             np.asarray(x, np.float64),
             seg,
             np.asarray(bias[layer], np.float64),
@@ -291,7 +291,7 @@ def test_documents_stay_apart_with_every_piece_on():
 def test_init_and_every_parameter_gets_a_gradient_from_it():
     cfg = marin_block_config()
     params = jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(0))
-    layer = params["layers"][0]
+    layer = model.layer_params(params, cfg, 0)
     # The attention gate starts at 1 (W_gate = 0) and SConv as the identity (tap 0 = 1).
     assert not np.any(np.asarray(layer["attn"]["gate"]))
     np.testing.assert_array_equal(np.asarray(layer["sconv_attn"])[:, 0], [1, 0, 0, 0])

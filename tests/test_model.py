@@ -53,7 +53,9 @@ def test_shapes_and_parameter_count():
     counts = count_params(cfg)
     # Stored = the pytree plus the router bias; total = its matrices (norm scales are the difference).
     assert n_params + cfg.n_layers * cfg.moe.n_experts == counts.stored_params
-    vectors = sum(x.size for x in jax.tree.leaves(params) if x.ndim == 1)
+    # A vector is one-dimensional per layer: stacked layers carry one more (repeat) axis.
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    vectors = sum(x.size for path, x in leaves if x.ndim - model.layer_axes(path) == 1)
     assert n_params - vectors == counts.total_params
     tokens, segments = random_batch(cfg)
     logits, stats = forward(cfg, params, model.init_router_bias(cfg), tokens[:, :-1], segments[:, :-1])
@@ -188,7 +190,7 @@ def test_attention_is_blocked_across_documents():
 
 def test_sliding_window_sees_only_recent_tokens():
     cfg = tiny()
-    attn = init(cfg)["layers"][0]["attn"]
+    attn = model.layer_params(init(cfg), cfg, 0)["attn"]
     x = jax.random.normal(jax.random.key(1), (1, cfg.seq_len, cfg.d_model))
     segments = jnp.zeros((1, cfg.seq_len), jnp.int32)
     x2 = x.at[:, 0].add(1.0)

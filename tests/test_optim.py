@@ -93,27 +93,31 @@ def test_newton_schulz_treats_a_stack_as_separate_matrices():
 
 
 def params_like_marin() -> dict:
+    """The model's layout: layers stacked by group and position, here one group of one layer (repeat 1)."""
+    layer = {
+        "attn": {"wq": random((16, 24), 2), "gate": jnp.zeros((16, 3)), "sconv_k": jnp.ones((4, 8))},
+        "attn_gated_norm": {"down": random((16, 4), 3), "up": random((4, 16), 4)},
+        "moe": {
+            "router": random((16, 6), 5),
+            "w_up": random((6, 16, 8), 6),
+            "latent_norm": jnp.ones(8),
+        },
+        "attn_norm": jnp.ones(16),
+    }
     return {
         "embed": random((64, 16), 0),
         "lm_head": random((16, 64), 1) * 0.1,
-        "layers": [
-            {
-                "attn": {"wq": random((16, 24), 2), "gate": jnp.zeros((16, 3)), "sconv_k": jnp.ones((4, 8))},
-                "attn_gated_norm": {"down": random((16, 4), 3), "up": random((4, 16), 4)},
-                "moe": {
-                    "router": random((16, 6), 5),
-                    "w_up": random((6, 16, 8), 6),
-                    "latent_norm": jnp.ones(8),
-                },
-                "attn_norm": jnp.ones(16),
-            }
-        ],
+        "layers": [[jax.tree.map(lambda leaf: leaf[None], layer)]],
     }
+
+
+def first_layer(params: dict) -> dict:
+    return jax.tree.map(lambda leaf: leaf[0], params["layers"][0][0])
 
 
 def test_parameter_groups_follow_marins_routing():
     groups = optimizer_groups(params_like_marin())
-    layer = groups["layers"][0]
+    layer = groups["layers"][0][0]
     assert (groups["embed"], groups["lm_head"]) == ("adam", "adamh")
     assert layer["attn"] == {"wq": "muonh", "gate": "adam", "sconv_k": "adam"}
     assert layer["attn_gated_norm"] == {"down": "muonh", "up": "muonh"}
@@ -131,7 +135,7 @@ def test_parameter_groups_of_the_tiny_marin_model():
         for path, group in jax.tree_util.tree_flatten_with_path(optimizer_groups(shapes))[0]
     }
     assert flat["['embed']"] == "adam" and flat["['lm_head']"] == "adamh"
-    layer = {key.split("]", 2)[2]: group for key, group in flat.items() if key.startswith("['layers'][0]")}
+    layer = {key.split("]", 3)[3]: group for key, group in flat.items() if key.startswith("['layers'][0][0]")}
     assert layer["['moe']['router']"] == "adam" and layer["['attn']['gate']"] == "adam"
     assert all(group == "adam" for key, group in layer.items() if "sconv" in key)
     assert all(
@@ -153,13 +157,13 @@ def test_muonh_matches_an_independent_reference_and_stays_on_the_hyperball():
         params = jax.tree.map(lambda p, u: p + u, params, updates)
     start = params_like_marin()
     wq = reference_muonh(
-        np.asarray(start["layers"][0]["attn"]["wq"], np.float64),
-        [np.asarray(g["layers"][0]["attn"]["wq"], np.float64) for g in history],
+        np.asarray(first_layer(start)["attn"]["wq"], np.float64),
+        [np.asarray(first_layer(g)["attn"]["wq"], np.float64) for g in history],
         lrs,
     )
-    np.testing.assert_allclose(params["layers"][0]["attn"]["wq"], wq, atol=2e-4)
+    np.testing.assert_allclose(first_layer(params)["attn"]["wq"], wq, atol=2e-4)
     # Each matrix keeps its own Frobenius norm: the gated norm's projections and every expert separately.
-    layer, first = params["layers"][0], start["layers"][0]
+    layer, first = first_layer(params), first_layer(start)
     for new, old in [
         (layer["attn"]["wq"], first["attn"]["wq"]),
         (layer["attn_gated_norm"]["down"], first["attn_gated_norm"]["down"]),

@@ -23,7 +23,7 @@ SOURCE = REPO / "src"
 #: The bottom of the package: anything may import these; they import only one another.
 BOTTOM = {"errors", "storage", "units", "cells", "validation", "formats"}
 #: The stages that make the files; they import the bottom and one another.
-STAGES = {"pipelines", "filters", "tokenize", "mixtures"}
+STAGES = {"pipelines", "filters", "tokenize", "mixtures", "domains"}
 #: Readers of the files; they never import Beam, however indirectly.
 READERS = {"trainer", "reports"}
 

@@ -470,3 +470,147 @@ def test_scale_200_cells_10000_samples(tmp_path: Path) -> None:
     assert sum(len(c["samples"]) for c in overview["cells"].values()) == 10_000
     assert result.index_bytes < 12_000_000
     assert elapsed < 60
+
+
+def _topic_model(folder: Path, ids: list[str]) -> None:
+    """A topic-domain model card (tokenmill.formats.domains) naming `ids`, with a hostile example."""
+    from tokenmill.formats.domains import (
+        DomainEmbedding,
+        DomainEntry,
+        DomainExample,
+        DomainSample,
+        DomainsCard,
+        FineClusters,
+        write_domains_card,
+    )
+
+    entries = [
+        DomainEntry(
+            id=domain_id,
+            name=f"term{index}a term{index}b",
+            terms=[f"term{index}a", f"term{index}b", f"term{index}c"],
+            documents=100 - 10 * index,
+            share=round((100 - 10 * index) / 340, 6),
+            fine_clusters=3,
+            cohesion=0.8,
+            examples=[
+                DomainExample(
+                    id=f"x:{domain_id}", source="x.jsonl", cosine=0.9, preview="<script>boom()</script>"
+                )
+            ],
+        )
+        for index, domain_id in enumerate(ids)
+    ]
+    card = DomainsCard(
+        format_version=1,
+        kind="domains",
+        sample=DomainSample(
+            inputs=["x"],
+            documents_read=340,
+            rejected=0,
+            empty=0,
+            requested=1000,
+            documents=340,
+            seed=0,
+            method="bottom-S",
+        ),
+        embedding=DomainEmbedding(
+            kind="trained", path="embedding.bin", sha256="0" * 64, dim=8, max_chars=100, parameters={}
+        ),
+        fine=FineClusters(k=12, iterations=3, converged=True, cohesion=0.9),
+        domains_requested=len(ids),
+        min_share=0.01,
+        within_domain_cosine=0.8,
+        between_domain_cosine=0.1,
+        domains=entries,
+        clusters_sha256="0" * 64,
+    )
+    write_domains_card(str(folder / "model.json"), card)
+
+
+def test_topic_domains_terms_enrichment_examples_and_quality_cuts(tmp_path: Path) -> None:
+    from tokenmill.formats.cards import Calibration, write_calibration
+
+    inputs = make_report_inputs(tmp_path / "inputs", names=["c00", "c01", "c02"], hostile=False)
+    _topic_model(tmp_path / "domains", ["c00", "c01", "c02", "c03"])
+    (tmp_path / "quality").mkdir()
+    write_calibration(
+        str(tmp_path / "quality" / "calibration.json"),
+        Calibration(
+            positive_label="hq",
+            quantiles=[0.2, 0.4, 0.6, 0.8],
+            cuts={"*": [0.1, 0.3, 0.5, 0.7], "code": [0.2, 0.4, 0.6, 0.8], "legal": [0.05, 0.1, 0.2, 0.9]},
+            documents={"code": 40, "legal": 30},
+        ),
+    )
+    output = tmp_path / "site"
+    args = ["--domains-model", str(tmp_path / "domains"), "--quality-model", str(tmp_path / "quality")]
+    assert main(report_args(inputs, output, *args)) == 0
+    html = (output / "index.html").read_text()
+    overview = json.loads((output / "data" / "overview.json").read_text())
+    domains = overview["domains"]
+    assert sorted(domains) == ["c00", "c01", "c02"]
+    for index, name in enumerate(["c00", "c01", "c02"]):
+        assert domains[name]["terms"] == [f"term{index}a", f"term{index}b", f"term{index}c"]
+        assert f'<span class="term">term{index}b</span>' in html
+        # The Q0-Q4 split covers every bucket and adds up to the domain's tokens.
+        split = domains[name]["quality_split"]
+        assert (
+            list(split) == ["q0", "q1", "q2", "q3", "q4"] and sum(split.values()) == domains[name]["tokens"]
+        )
+    # c03 is in the model but has no curated documents: the page says so rather than drawing an empty card.
+    assert "Not on this page (no curated documents): c03" in html
+    # Enrichment: a source's share of the domain over its share of all tokens, recomputed here.
+    total = sum(d["tokens"] for d in domains.values())
+    overall: Counter[str] = Counter()
+    for domain in domains.values():
+        for source, entry in domain["sources"].items():
+            overall[source] += entry["tokens_estimated"]
+    checked = 0
+    for domain in domains.values():
+        for source, entry in domain["sources"].items():
+            expected = (entry["tokens_estimated"] / domain["tokens"]) / (overall[source] / total)
+            assert entry["enrichment"] == pytest.approx(expected, rel=2e-3, abs=2e-3)
+            assert f"{entry['enrichment']:.2f}×" in html
+            checked += 1
+    assert checked >= 3
+    # The examples nearest each domain's centre are shown as text, never as markup.
+    assert html.count('class="samples topic-examples"') == 3
+    assert "&lt;script&gt;boom()&lt;/script&gt;" in html and "<script>boom()" not in html
+    # Quality cut points per content type, `*` last.
+    assert re.findall(r'data-content-type="([^"]+)"', html) == ["code", "legal", "*"]
+    assert "0.050 · 0.100 · 0.200 · 0.900" in html
+    assert overview["quality_cuts"]["code"] == [0.2, 0.4, 0.6, 0.8]
+    assert overview["topic_model"]["k"] == 12
+
+
+def test_without_topic_model_or_calibration_the_rows_are_left_out(
+    inputs: ReportInputs, tmp_path: Path
+) -> None:
+    (tmp_path / "quality").mkdir()  # a quality model folder without calibration.json
+    assert main(report_args(inputs, tmp_path / "site", "--quality-model", str(tmp_path / "quality"))) == 0
+    html = (tmp_path / "site" / "index.html").read_text()
+    assert 'id="quality-cuts"' not in html and 'id="topic-model"' not in html
+    assert 'class="qsplit"' in html and "enrichment" in html  # every card still has its split and enrichment
+    overview = json.loads((tmp_path / "site" / "data" / "overview.json").read_text())
+    assert "quality_cuts" not in overview and "topic_model" not in overview
+
+
+def test_a_missing_topic_model_is_a_usage_error(inputs: ReportInputs, tmp_path: Path, capsys) -> None:
+    args = report_args(inputs, tmp_path / "site", "--domains-model", str(tmp_path / "nope"))
+    assert main(args) == 2
+    assert "no topic-domain model card (model.json) here" in capsys.readouterr().err
+
+
+def test_long_runs_are_charted_from_evenly_spaced_rows_keeping_boundaries_and_the_last_row() -> None:
+    from tokenmill.reports.runpage import chart_rows
+
+    rows = [{"step": i, "phase": "pretraining" if i < 300_001 else "midtraining"} for i in range(390_251)]
+    drawn = chart_rows(rows, limit=2000)
+    steps = [row["step"] for row in drawn]
+    assert len(drawn) <= 2002
+    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == 390_250
+    assert 300_001 in steps  # the first midtraining row: the phase line is drawn where it is
+    gaps = {b - a for a, b in zip(steps, steps[1:])}
+    assert max(gaps) <= 196  # evenly spaced: no hole wider than one stride
+    assert chart_rows(rows[:50], limit=2000) == rows[:50]

@@ -202,3 +202,31 @@ def test_run_page(browser, site: Path) -> None:
     )
     screenshot(browser, "report-run.png")
     assert console_errors(browser) == []
+
+
+def test_topic_domain_view(browser, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from test_report import _topic_model
+
+    root = tmp_path_factory.mktemp("browser-topics")
+    inputs = make_report_inputs(root / "inputs", names=["c00", "c01", "c02"], hostile=False)
+    (root / "domains").mkdir()
+    _topic_model(root / "domains", ["c00", "c01", "c02"])
+    assert main(report_args(inputs, root / "site", "--domains-model", str(root / "domains"), run=False)) == 0
+    open_page(browser, root / "site" / "index.html")
+    browser.execute_script("document.querySelectorAll('details').forEach(d => d.open = true)")
+    # The terms show on each card, the example that holds <script> is text, and nothing ran.
+    terms = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#domain-c01 .term')).map(e => e.textContent)"
+    )
+    assert terms == ["term1a", "term1b", "term1c"]
+    examples = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.topic-examples .sample-text')).map(e => e.textContent)"
+    )
+    assert examples == ["<script>boom()</script>"] * 3
+    assert browser.execute_script("return document.querySelectorAll('.qsplit').length") == 3
+    screenshot(browser, "report-topic-domains.png")
+    # A domain is found by one of its terms.
+    search(browser, "term2c")
+    assert visible(browser, ".domain-card") == ["c02"]
+    search(browser, "")
+    assert console_errors(browser) == []

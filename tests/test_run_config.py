@@ -47,7 +47,8 @@ def test_a_runs_config_json_trains_the_same_run_again(tmp_path, monkeypatch, cap
     # the mixture's counts:, the recipe's schedule, the mesh and the tokenizer the shards were made with.
     assert first["optimizer"] == {"kind": "adamw", "lr_heuristic": MAY_RECIPE.name, "lr": 1e-2,
                                   "adam_lr": None, "beta1": 0.9, "beta2": 0.99, "epsilon": 1e-8,
-                                  "weight_decay": 0.1, "clip_norm": 1.0}  # fmt: skip
+                                  "weight_decay": 0.1, "clip_norm": 1.0,
+                                  "state_memory": "device", "microbatches": 1}  # fmt: skip
     assert first["seed"] == 7 and first["data"]["tokens"] == "tokens" and first["data"]["batch_size"] == 8
     assert first["data"]["tokenizer_sha256"] == "a" * 64 and first["mesh"]["fsdp"] >= 1
     assert (
@@ -63,7 +64,14 @@ def test_a_runs_config_json_trains_the_same_run_again(tmp_path, monkeypatch, cap
     second = json.loads(Path("runs/second/config.json").read_text())
 
     def settings(config: dict) -> dict:
-        return {key: value for key, value in config.items() if key not in ("output", "phases")}
+        # The history's entries say when and into which folder each configuration began; nothing else differs.
+        history = [
+            {**{k: v for k, v in entry.items() if k not in ("started", "settings")},
+             "settings": {k: v for k, v in entry["settings"].items() if k != "output"}}
+            for entry in config["history"]
+        ]  # fmt: skip
+        kept = {key: value for key, value in config.items() if key not in ("output", "phases", "history")}
+        return {**kept, "history": history}
 
     assert settings(second) == settings(first) and second["output"] == "runs/second"
     # A flag still wins over a config.json.

@@ -1,12 +1,12 @@
 """No behaviour change: the demo's data stages on the bundled sample give the outputs they gave before.
 
 The stages run as `make demo` runs them (scripts/demo.sh), in a scratch folder laid out like the checkout:
-classifier data and the two classifiers, `curate` with configs/curate/mixed.yaml on data/sample, the
-tokenizer, `tokenize`, and the plan of mixtures/demo.yaml. Every output file's content checksum must equal
-tests/fixtures/sample-outputs.json. That file was written during issue 17 (one typed reader per format,
-the sample generators moved into tokenmill.samples) and checked against the commit before that work: the
-same content in every file but the two that other changes of the same tree meant to change (exact
-dedupe's removal detail gained `text_hash`, stats.json's `inputs` became relative names).
+classifier data and the two classifiers, the topic-domain model, `curate` with configs/curate/demo.yaml
+(mixed.yaml plus the domain_clusters stage) on data/sample, the tokenizer, `tokenize`, and the plan of
+mixtures/demo.yaml. Every output file's content checksum must equal tests/fixtures/sample-outputs.json.
+That file was last written during issue 20, which meant to change these outputs: the classifiers train on
+real text only (duplicates removed before the held-out split), mixed.yaml removes line-level boilerplate
+first, and the cells are topic domains (cNN) x quality.
 
 Checksums are of content, not bytes, where the bytes depend on a library's version rather than on what
 tokenmill wrote: a Parquet file by its schema (names and types) and rows, a .zst file by what it
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "sample-outputs.json"
 #: What the stages read from the checkout, copied to the scratch folder under the same names (the
 #: recipe's model paths and the mixture's counts: file are relative to it, as in the demo).
-CHECKOUT_INPUTS = ("data/sample", "configs/curate/mixed.yaml", "mixtures/demo.yaml")
+CHECKOUT_INPUTS = ("data/sample", "configs/curate/demo.yaml", "mixtures/demo.yaml")
 #: The demo's commands (scripts/demo.sh), run from the scratch folder.
 STAGES = [
     ("classifier data", ["-m", "tokenmill.samples.classifier_data", "--output", "out/demo/classifier-data"]),
@@ -55,8 +55,13 @@ STAGES = [
         + ["--calibration", "out/demo/classifier-data/calibration.jsonl"],
     ),
     (
+        "topic domains",
+        ["-m", "tokenmill", "domains", "train", "--input", "data/sample", "--k", "32", "--domains", "8"]
+        + ["--min-share", "0.02", "--output", "out/demo/models/domains"],
+    ),
+    (
         "curate",
-        ["-m", "tokenmill", "curate", "--recipe", "configs/curate/mixed.yaml", "--input", "data/sample/*"]
+        ["-m", "tokenmill", "curate", "--recipe", "configs/curate/demo.yaml", "--input", "data/sample/*"]
         + ["--output", "out/demo/curate", "--overwrite"],
     ),
     (

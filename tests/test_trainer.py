@@ -220,3 +220,44 @@ def test_weights_and_biases_gets_the_metrics_when_installed(tmp_path, monkeypatc
     assert [step for step, _ in logged[:2]] == [0, 1] and logged[-1] == "finished"
     row = logged[0][1]
     assert {"loss", "lr", "mfu", "router_bias_norm/layer0", "expert_load_max/layer1"} <= set(row)
+
+
+@pytest.mark.parametrize("balancing", ["bias", "none"])
+def test_microbatches_equal_one_pass(balancing):
+    """Gradient accumulation over 2 microbatches is the one-pass step: loss, gradient norm, the router load
+    behind the bias update, and the parameters after the update agree to float rounding (fp32)."""
+    from tokenmill.trainer import model
+    from tokenmill.trainer.train import make_train_step
+
+    model_cfg = tiny(dispatch="dropless", balancing=balancing)
+    params = model.init_params(jax.random.key(0), model_cfg)
+    tx = make_optimizer(params, "adamw", weight_decay=0.1, clip_norm=1.0)
+    schedule = Schedule("wsd", 3e-3, 10, 0, 2)
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+             "router_bias": model.init_router_bias(model_cfg)}  # fmt: skip
+    batch = source(model_cfg, batch_size=4).batch(0)
+    tokens, segments = jnp.asarray(batch.tokens), jnp.asarray(batch.segment_ids)
+    outcomes = {}
+    for n in (1, 2):
+        step = jax.jit(make_train_step(model_cfg, tx, schedule, jnp.float32, microbatches=n))
+        outcomes[n] = step(state, tokens, segments)
+    (one, one_metrics), (two, two_metrics) = outcomes[1], outcomes[2]
+    for key in ("loss", "objective", "grad_norm", "expert_load", "drop_fraction"):
+        np.testing.assert_allclose(two_metrics[key], one_metrics[key], rtol=2e-5, atol=1e-7, err_msg=key)
+    np.testing.assert_array_equal(two["router_bias"], one["router_bias"])
+    if balancing == "bias":
+        assert np.abs(np.asarray(one["router_bias"])).sum() > 0  # the update ran, from the same load
+    # Adam's first update is about lr x sign(gradient) (3e-3 here), so a gradient near zero turns float
+    # rounding into up to ~1e-6; a wrong gradient would differ by the whole update.
+    for a, b in zip(jax.tree.leaves(two["params"]), jax.tree.leaves(one["params"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
+    moved = [np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(jax.tree.leaves(one["params"]),
+             jax.tree.leaves(params), strict=True)]  # fmt: skip
+    assert max(moved) > 1e-3  # the step changed the parameters
+
+
+def test_microbatches_must_divide_the_batch(tmp_path):
+    from tokenmill.trainer.run_config import RunConfigError, resolve_run_config
+
+    with pytest.raises(RunConfigError, match="microbatches 3 does not divide the batch of 4"):
+        resolve_run_config(config(tmp_path, optimizer__microbatches=3), [Phase("pretraining", 0, 5)])

@@ -19,6 +19,7 @@ from tokenmill.errors import UsageError
 COMMAND_MODULES = (
     "tokenmill.pipelines.commands",
     "tokenmill.filters.classifier_commands",
+    "tokenmill.domains.commands",
     "tokenmill.filters.commands",
     "tokenmill.tokenize.commands",
     "tokenmill.mixtures.commands",

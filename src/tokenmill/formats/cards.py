@@ -18,12 +18,17 @@ ALL_DOMAINS = "*"
 
 
 class TrainingData(FormatModel):
+    """`examples` is what the file held; `train` + `holdout` is what was left after the exact and near
+    duplicates (counted apart) were removed, before the split."""
+
     path: str
     sha256: str
     examples: Count
     train: Count
     holdout: Count
     seed: int
+    exact_duplicates_removed: Count | None = None
+    near_duplicates_removed: Count | None = None
 
 
 class LabelMetrics(FormatModel):
@@ -44,20 +49,27 @@ class CalibrationSummary(FormatModel):
     path: str
     domains: list[str]
     documents: Count
+    #: Calibration documents dropped before the cuts: copies (exact or near) of a training text, and
+    #: repeats of another calibration document.
+    training_copies_removed: Count | None = None
+    duplicates_removed: Count | None = None
 
 
 class ClassifierCard(FormatModel):
-    """model.json. `calibration` is there for a quality model only."""
+    """model.json. `calibration` is there for a quality model only; `data` and `holdout_metrics` are
+    null for a model trained elsewhere and calibrated by `tokenmill classifier calibrate` (its card says
+    `trained_by: external`)."""
 
     name: str
     kind: Literal["domain", "quality"]
     labels: list[str]
     positive_label: str | None
-    data: TrainingData
+    data: TrainingData | None
     parameters: dict[str, int | float | str]  # fastText's hyperparameters, by fastText's names
-    holdout_metrics: HoldoutMetrics
+    holdout_metrics: HoldoutMetrics | None
     model_sha256: str
     calibration: CalibrationSummary | None = None
+    trained_by: Literal["tokenmill", "external"] | None = None
 
 
 class Calibration(FormatModel):

@@ -4,7 +4,9 @@
 
 - `local` (the default): Beam's FnApiRunner, named explicitly: Beam's default local runner first tries
   to download and start the Prism binary, which must never happen here. It runs `--workers` SDK worker
-  processes (multi_processing mode), one per core by default, so Python's GIL does not serialize the work.
+  processes (multi_processing mode), one per core by default, so Python's GIL does not serialize the work,
+  and cuts each stage's input into bundles of at most 8 MiB (tokenmill.pipelines.local_runner), so a
+  worker's memory does not grow with the corpus.
 - `dataflow` (or `DataflowRunner`): Google Cloud Dataflow; needs --project, --region, --temp_location.
 - `dask` (or `DaskRunner`): Beam's DaskRunner with tokenmill's fixes (tokenmill.pipelines.dask_runner)
   on a dask.distributed cluster: `--dask_address tcp://HOST:8786`, or without it a cluster of `--workers`
@@ -239,9 +241,9 @@ def pipeline_flags(args: argparse.Namespace) -> list[str]:
 def create_runner(args: argparse.Namespace):
     """The Beam runner object for `--runner` (an unknown name is a usage error naming the known ones)."""
     if args.runner == "local":
-        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+        from tokenmill.pipelines.local_runner import BoundedBundleFnApiRunner
 
-        return FnApiRunner()
+        return BoundedBundleFnApiRunner()
     if args.runner == "dask":
         from tokenmill.pipelines.dask_runner import DaskRunner
 

@@ -40,6 +40,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tokenmill.domains.model import DomainsError
+from tokenmill.domains.stage import DomainClusters
 from tokenmill.filters.base import DocumentStep, DomainChains
 from tokenmill.filters.classifiers import ClassifierError, DomainClassifier, QualityClassifier
 from tokenmill.filters.code import CodeQuality
@@ -68,6 +70,7 @@ DOCUMENT_STAGES: dict[str, Callable[..., DocumentStep]] = {
     "code_quality": CodeQuality,
     "domain_classifier": DomainClassifier,
     "quality_classifier": QualityClassifier,
+    "domain_clusters": DomainClusters,
     "decontam": Decontaminate,
     "url_filter": UrlFilter,
 }
@@ -76,11 +79,15 @@ DOCUMENT_STAGES: dict[str, Callable[..., DocumentStep]] = {
 GROUPING_STAGES: dict[str, str] = {
     "exact_dedupe": "tokenmill.pipelines.exact_dedupe:ExactDedupe",
     "fuzzy_dedupe": "tokenmill.pipelines.fuzzy_dedupe:FuzzyDedupe",
+    "line_boilerplate": "tokenmill.pipelines.boilerplate:LineBoilerplate",
 }
 #: `by_domain: {<domain>: [stages...], default: [stages...]}` gives each domain its own chain of
 #: per-document stages (after `domain_classifier`); see tokenmill.filters.base.DomainChains.
 BY_DOMAIN = "by_domain"
 STAGE_KINDS = (*DOCUMENT_STAGES, *GROUPING_STAGES, BY_DOMAIN)
+#: Stages that set or read the domain classifier's label; `domain_clusters` (topic domains cNN, see
+#: tokenmill.domains.stage) replaces that label, so these run before it.
+_LABEL_READERS = ("domain_classifier", BY_DOMAIN, "line_boilerplate")  # line_boilerplate: skip_domains
 
 
 _BINARY_BYTES = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -169,6 +176,20 @@ class Recipe(BaseModel):
                 )
             if kind == BY_DOMAIN:
                 _check_chains(stage[kind], f"stages[{position}].{BY_DOMAIN}")
+        kinds = [next(iter(stage)) for stage in stages]
+        if "domain_clusters" in kinds:
+            # domain_clusters replaces the classifier's label with cNN: a later reader of it would see cNN.
+            clusters_at = kinds.index("domain_clusters")
+            late = [
+                f"stages[{i}] {kind}"
+                for i, kind in enumerate(kinds)
+                if i > clusters_at and kind in _LABEL_READERS
+            ]
+            if late:
+                raise ValueError(
+                    f"stages[{clusters_at}]: domain_clusters replaces the domain label, so "
+                    f"{', '.join(late)} must come before it"
+                )
         return stages
 
     @property
@@ -227,7 +248,7 @@ def build_step(kind: str, params: dict, where: str) -> DocumentStep | GroupingSt
         return DOCUMENT_STAGES[kind](**params)
     except RecipeError:
         raise
-    except ClassifierError as error:
+    except (ClassifierError, DomainsError) as error:
         raise RecipeError(f"{where}: {kind}: {error}") from None
     except (TypeError, ValueError) as error:
         raise RecipeError(f"{where}: bad parameters for {kind}: {error}") from None

@@ -67,6 +67,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample draws (default 0)")
     parser.add_argument("--title", default="Data overview", help="page title")
+    parser.add_argument(
+        "--domains-model",
+        metavar="DIR",
+        help="topic-domain model (`tokenmill domains train`): terms and examples of the cNN domains",
+    )
+    parser.add_argument(
+        "--quality-model",
+        metavar="DIR",
+        help="quality model folder (or its calibration.json): the quality cut points per content type",
+    )
     parser.set_defaults(handler=run_report)
 
 
@@ -129,6 +139,8 @@ def run_report(args: argparse.Namespace) -> int:
         removed_examples=args.removed_examples,
         rejected_examples=args.removed_examples,
         seed=args.seed,
+        domains_model=args.domains_model,
+        quality_model=args.quality_model,
     )
     try:
         result = build_site(

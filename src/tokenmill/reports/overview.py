@@ -1,5 +1,12 @@
 """The data-overview page's content: headline, heatmap, domain cards, curation funnel and mixture.
 
+With a topic-domain model (`OverviewOptions.domains_model`, the folder `tokenmill domains train` wrote),
+each `cNN` domain card also shows the domain's distinctive terms, its share of the model's sample and the
+documents nearest its centre; with a quality model (`quality_model`), the page lists the quality cut
+points per content type from its calibration.json. Every card shows its Q0-Q4 split and each source's
+enrichment: the source's share of the domain's tokens over its share of all tokens (2.0: twice as common
+in this domain as overall).
+
 `build_overview` turns the inputs into plain dicts and SVG markup for the template, plus the
 machine-readable `overview.json` that is published beside the page. Ordering is fixed everywhere (domains
 by tokens then name, cells by quality, sources by characters then name) so the same inputs give the same
@@ -16,6 +23,9 @@ from urllib.parse import urlsplit
 from tokenmill import storage
 from tokenmill.cells import QUALITY_BUCKETS, parse_cell
 from tokenmill.errors import FormatError
+from tokenmill.formats.cards import CALIBRATION, Calibration, read_calibration
+from tokenmill.formats.domains import CARD as DOMAINS_CARD
+from tokenmill.formats.domains import DomainsCard, read_domains_card
 from tokenmill.formats.plan import MixturePlan
 from tokenmill.formats.stats import CurateStats, read_stats
 from tokenmill.formats.tokens import COUNTS, TokenCounts, read_counts
@@ -42,6 +52,10 @@ class OverviewOptions:
     removed_examples: int = 3
     rejected_examples: int = 3
     seed: int = 0
+    #: A topic-domain model folder (`tokenmill domains train`): names and examples for its cNN domains.
+    domains_model: str | None = None
+    #: A quality model folder, or its calibration.json: the quality cut points per content type.
+    quality_model: str | None = None
 
 
 def safe_href(url: Any) -> str:
@@ -112,6 +126,91 @@ def read_curate_stats(path: str) -> CurateStats | None:
         return read_stats(path)
     except FormatError as error:
         raise InputError(str(error)) from error
+
+
+def read_domains_model(path: str) -> DomainsCard:
+    """The card of a topic-domain model folder (or of its model.json); InputError names what is wrong."""
+    card_path = path if path.endswith(".json") else storage.join(path, DOMAINS_CARD)
+    if not storage.exists(card_path):
+        raise InputError(f"{path}: no topic-domain model card ({DOMAINS_CARD}) here")
+    try:
+        return read_domains_card(card_path)
+    except FormatError as error:
+        raise InputError(str(error)) from error
+
+
+def read_quality_calibration(path: str) -> Calibration | None:
+    """A quality model's calibration.json (the folder's, or the file named); None where there is none, so
+    that the page leaves the cut points out."""
+    calibration_path = path if path.endswith(".json") else storage.join(path, CALIBRATION)
+    if not storage.exists(calibration_path):
+        return None
+    try:
+        return read_calibration(calibration_path)
+    except FormatError as error:
+        raise InputError(str(error)) from error
+
+
+def quality_cut_rows(calibration: Calibration) -> list[dict[str, Any]]:
+    """One row per content type (the calibration's domains; `*` is every type together, listed last)."""
+    rows = []
+    for content_type in sorted(calibration.cuts, key=lambda name: (name == "*", name)):
+        cuts = calibration.cuts[content_type]
+        rows.append(
+            {
+                "content_type": "all types (*)" if content_type == "*" else content_type,
+                "key": content_type,
+                "cuts": [round(cut, 4) for cut in cuts],
+                "cuts_text": " · ".join(f"{cut:.3f}" for cut in cuts),
+                "documents": calibration.documents.get(content_type),
+            }
+        )
+    return rows
+
+
+def _topic(entry: Any, preview_chars: int) -> dict[str, Any]:
+    return {
+        "name": entry.name,
+        "terms": list(entry.terms),
+        "sample_documents": entry.documents,
+        "sample_share": f"{100 * entry.share:.1f}%",
+        "cohesion": f"{entry.cohesion:.3f}",
+        "fine_clusters": entry.fine_clusters,
+        "examples": [
+            {
+                "id": example.id,
+                "source": example.source,
+                "cosine": f"{example.cosine:.3f}",
+                "text": preview(example.preview, preview_chars)[0],
+            }
+            for example in entry.examples
+        ],
+    }
+
+
+def _enrich(cards: list[dict[str, Any]], total_tokens: int) -> None:
+    """Each card's Q0-Q4 split and each source's enrichment (share in the domain / share overall)."""
+    overall: dict[str, float] = {}
+    for card in cards:
+        for source in card["sources"]:
+            overall[source["name"]] = overall.get(source["name"], 0.0) + source["tokens"]
+    for card in cards:
+        card["topic"] = None  # a topic-domain model's entry, where one is given
+        by_quality = {q["quality"]: q["tokens"] for q in card["qualities"]}
+        card["quality_split"] = [
+            {
+                "quality": quality,
+                "tokens": by_quality.get(quality, 0),
+                "share": percent(by_quality.get(quality, 0), card["tokens"]),
+            }
+            for quality in QUALITY_BUCKETS
+        ]
+        for source in card["sources"]:
+            inside = source["tokens"] / card["tokens"] if card["tokens"] else 0.0
+            everywhere = overall[source["name"]] / total_tokens if total_tokens else 0.0
+            enrichment = inside / everywhere if everywhere else None
+            source["enrichment"] = None if enrichment is None else round(enrichment, 3)
+            source["enrichment_text"] = "–" if enrichment is None else f"{enrichment:.2f}×"
 
 
 def build_overview(
@@ -248,6 +347,31 @@ def build_overview(
             }
         )
     cards.sort(key=lambda c: (-c["tokens"], c["name"]))
+    _enrich(cards, total_tokens)
+    topic_model = None
+    if options.domains_model:
+        model_card = read_domains_model(options.domains_model)
+        entries = {entry.id: entry for entry in model_card.domains}
+        for card in cards:
+            entry = entries.get(card["name"])
+            card["topic"] = _topic(entry, options.preview_chars) if entry is not None else None
+            if entry is not None:
+                card["search"] += " " + " ".join(entry.terms)
+        on_page = {card["name"] for card in cards}
+        topic_model = {
+            "path": options.domains_model,
+            "k": model_card.fine.k,
+            "domains": len(model_card.domains),
+            "sample_documents": model_card.sample.documents,
+            "embedding": model_card.embedding.kind,
+            "within": f"{model_card.within_domain_cosine:.3f}",
+            "between": f"{model_card.between_domain_cosine:.3f}",
+            "min_share": f"{100 * model_card.min_share:.1f}%",
+            "not_on_page": [entry.id for entry in model_card.domains if entry.id not in on_page],
+            "unknown_on_page": sorted(name for name in on_page if name not in entries),
+        }
+    calibration = read_quality_calibration(options.quality_model) if options.quality_model else None
+    quality_cuts = quality_cut_rows(calibration) if calibration is not None else []
     for card in cards:
         # Mixed-source bars reuse category colors; the legend below the bar lists them in this order.
         for i, source in enumerate(card["sources"]):
@@ -309,17 +433,26 @@ def build_overview(
             card["name"]: {
                 "tokens": card["tokens"],
                 "documents": card["documents"],
+                "quality_split": {f"q{q['quality']}": q["tokens"] for q in card["quality_split"]},
                 "sources": {
                     s["name"]: {
                         "documents": s["documents"],
                         "characters": s["characters"],
                         "tokens_estimated": s["tokens"],
+                        "enrichment": s["enrichment"],
                     }
                     for s in card["sources"]
                 },
+                **(
+                    {"terms": card["topic"]["terms"], "topic_name": card["topic"]["name"]}
+                    if card.get("topic")
+                    else {}
+                ),
             }
             for card in cards
         },
+        **({"topic_model": topic_model} if topic_model else {}),
+        **({"quality_cuts": {row["key"]: row["cuts"] for row in quality_cuts}} if quality_cuts else {}),
         "options": {
             "seed": options.seed,
             "samples_per_cell": options.samples_per_cell,
@@ -339,6 +472,9 @@ def build_overview(
         "stats_path": layout.stats if stats is not None else None,
         "data": data,
         "quality_colors": QUALITY_COLORS,
+        "topic_model": topic_model,
+        "quality_cuts": quality_cuts,
+        "quality_cuts_source": options.quality_model if quality_cuts else None,
     }
 
 

@@ -9,18 +9,34 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill import storage
 from tokenmill.errors import FormatError
-from tokenmill.formats.runs import CONFIG, METRICS, read_metrics, read_run_record
+from tokenmill.formats.runs import CONFIG, LOG, METRICS, parse_metrics_line, read_run_record
 from tokenmill.reports import svg
 from tokenmill.reports.inputs import InputError, read_json_file
 from tokenmill.units import format_count
 
 MAX_LAYER_SERIES = 8
 CONFIG_ROWS = 300
+# The most rows a chart draws. A 390,000-step run logs a row per step; drawing every one would make each
+# publish take minutes and each chart megabytes, so longer runs are drawn from evenly spaced rows.
+MAX_CHART_ROWS = 2000
+
+
+def chart_rows(rows: list[dict[str, Any]], limit: int = MAX_CHART_ROWS) -> list[dict[str, Any]]:
+    """At most about `limit` rows, evenly spaced, always with the first and the last row and the first row
+    of each phase (so phase boundaries and the latest value are exact); all rows when there are few."""
+    if len(rows) <= limit:
+        return rows
+    stride = math.ceil(len(rows) / limit)
+    keep = set(range(0, len(rows), stride)) | {len(rows) - 1}
+    keep.update(i for i in range(1, len(rows)) if rows[i].get("phase") != rows[i - 1].get("phase"))
+    return [rows[i] for i in sorted(keep)]
 
 
 def _number(value: Any) -> float | None:
@@ -77,6 +93,24 @@ def expert_imbalance(load: Any) -> float | None:
     return max(values) * len(values) / total if total > 0 else None  # type: ignore[type-var, operator]
 
 
+IMBALANCE = "\0expert_imbalance"  # a row's per-layer imbalance, kept in the row once computed
+
+
+def _imbalances(row: dict[str, Any]) -> list[float | None]:
+    """`expert_imbalance` of each MoE layer of the row. Kept in
+    the row: the live publisher draws the same rows again at every publish, and this is most of the cost."""
+    found = row.get(IMBALANCE)
+    if found is None:
+        load = row.get("expert_load")
+        found = [expert_imbalance(layer) for layer in load] if isinstance(load, list) else []
+        row[IMBALANCE] = found
+    return found
+
+
+def _at(values: list[float | None], index: int) -> float | None:
+    return values[index] if index < len(values) else None
+
+
 def flatten_config(value: Any, prefix: str = "", depth: int = 0) -> list[tuple[str, str]]:
     """Dotted keys and short values, enough to see what a run was without reading the JSON."""
     if isinstance(value, dict) and depth < 5:
@@ -94,26 +128,77 @@ def flatten_config(value: Any, prefix: str = "", depth: int = 0) -> list[tuple[s
     return [(prefix, text if len(text) <= 200 else text[:200] + "…")]
 
 
-def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
-    """Charts, summary and config rows for one run folder, and the ladder forecast when there is one.
+@dataclass
+class RunInputs:
+    """What the run page is built from: the metrics rows (as JSON objects: the page draws a chart per key,
+    whatever keys a run logged) and the bytes behind them, which the site copies beside the page."""
 
-    ladder_path: a `tokenmill ladder fit` output; by default the run folder's own ladder.json, if any.
-    """
+    rows: list[dict[str, Any]]
+    metrics: bytes
+    config: dict[str, Any] | None = None
+    config_bytes: bytes | None = None
+
+
+def read_run(run_dir: str) -> RunInputs:
+    """A run folder's metrics.jsonl and config.json; InputError names the file and line that is wrong."""
     metrics_path = storage.join(run_dir, METRICS)
     if not storage.exists(metrics_path):
         raise InputError(f"{metrics_path}: no metrics.jsonl in the run folder")
     config_path = storage.join(run_dir, CONFIG)
     try:
-        # Rows as JSON objects: the page draws a chart per key, whatever keys a run logged.
-        rows = [row.to_json() for row in read_metrics(metrics_path)]
-        config = read_run_record(config_path).to_json() if storage.exists(config_path) else None
+        with storage.open_file(metrics_path, "rb") as handle:
+            metrics = handle.read()
+        rows = [row.to_json() for row in parse_metrics(metrics, metrics_path)]
+        config_bytes = None
+        config = None
+        if storage.exists(config_path):
+            with storage.open_file(config_path, "rb") as handle:
+                config_bytes = handle.read()
+            config = read_run_record(config_path).to_json()
     except FormatError as error:
         raise InputError(str(error)) from error
+    return RunInputs(rows, metrics, config, config_bytes)
+
+
+def parse_metrics(data: bytes, origin: str, first_line: int = 1) -> list[Any]:
+    """The metrics rows in `data` (whole lines of a metrics.jsonl), in step order; FormatError names
+    `origin` and the line."""
+    rows = [
+        parse_metrics_line(line, f"{origin}: line {number}")
+        for number, line in enumerate(data.splitlines(), start=first_line)
+        if line.strip()
+    ]
+    return sorted(rows, key=lambda row: row.step)
+
+
+def build_run(
+    run_dir: str,
+    ladder_path: str | None = None,
+    *,
+    inputs: RunInputs | None = None,
+    live: LiveStatus | None = None,
+) -> dict[str, Any]:
+    """Charts, summary and config rows for one run folder, the follower's view (progress against the plan,
+    the mixture being sampled, the latest checkpoint, hardware, the log's last lines) and the ladder
+    forecast when there is one. The same page serves `tokenmill report --run` and the trainer's live
+    publishing (`tokenmill train --publish`).
+
+    ladder_path: a `tokenmill ladder fit` output; by default the run folder's own ladder.json, if any.
+    inputs: the metrics and config to draw (the live publisher hands over a snapshot); by default read from
+    the run folder.
+    live: set by the live publisher: when this version was made and whether training goes on.
+    """
+    metrics_path = storage.join(run_dir, METRICS)
+    config_path = storage.join(run_dir, CONFIG)
+    if inputs is None:
+        inputs = read_run(run_dir)
+    rows, config = inputs.rows, inputs.config
     if not rows:
         raise InputError(f"{metrics_path}: no metrics logged")
     vlines = phase_lines(rows)
     step = svg.Axis("step")
     charts = []
+    all_rows, rows = rows, chart_rows(rows)
 
     def add(title: str, series: list[svg.Series], y: svg.Axis, note: str = "") -> None:
         charts.append(
@@ -129,7 +214,10 @@ def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
     add("Throughput", [_series(rows, "tokens_per_second", "tokens / s")], svg.Axis("tokens per second"))
     add("Model FLOPs utilization", [_series(rows, "mfu", "MFU")], svg.Axis("MFU", low=0.0))
     layers = _per_layer(rows, "expert_load")
-    load_series = _layer_series(rows, "expert_load", expert_imbalance)
+    load_series = [
+        svg.Series(f"layer {layer}", [(float(r["step"]), _at(_imbalances(r), layer)) for r in rows])
+        for layer in range(min(layers, MAX_LAYER_SERIES))
+    ]
     if layers > MAX_LAYER_SERIES:
         load_series.append(
             svg.Series(
@@ -137,14 +225,7 @@ def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
                 [
                     (
                         float(r["step"]),
-                        max(
-                            (
-                                v
-                                for v in (expert_imbalance(x) for x in r.get("expert_load") or [])
-                                if v is not None
-                            ),
-                            default=None,
-                        ),
+                        max((v for v in _imbalances(r) if v is not None), default=None),
                     )
                     for r in rows
                 ],
@@ -217,13 +298,13 @@ def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
             "uniform": f"{100 / experts:.2f}%" if experts else "",
         }
 
-    last = rows[-1]
-    losses = [v for v in (_number(r.get("loss")) for r in rows) if v is not None]
-    speeds = [v for v in (_number(r.get("tokens_per_second")) for r in rows) if v is not None]
+    last = all_rows[-1]
+    losses = [v for v in (_number(r.get("loss")) for r in all_rows) if v is not None]
+    speeds = [v for v in (_number(r.get("tokens_per_second")) for r in all_rows) if v is not None]
     tail = speeds[len(speeds) // 2 :] if speeds else []
     summary = [
         ("run", os.path.basename(run_dir.rstrip("/")) or run_dir),
-        ("logged steps", f"{len(rows):,}"),
+        ("logged steps", f"{len(all_rows):,}"),
         ("last step", f"{int(last['step']):,}"),
         ("tokens seen", format_count(_number(last.get("tokens")) or 0)),
         ("final loss", f"{losses[-1]:.4f}" if losses else "–"),
@@ -243,7 +324,8 @@ def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
         ),
         (
             "phases",
-            ", ".join(dict.fromkeys(str(r.get("phase")) for r in rows if r.get("phase") is not None)) or "–",
+            ", ".join(dict.fromkeys(str(r.get("phase")) for r in all_rows if r.get("phase") is not None))
+            or "–",
         ),
     ]
     config_rows = flatten_config(config) if config is not None else []
@@ -252,6 +334,18 @@ def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
     ladder = (
         build_ladder(read_ladder(ladder_path), ladder_path, rows, config, run_dir) if ladder_path else None
     )
+    log_lines = read_log_tail(storage.join(run_dir, LOG), LOG_COPY_LINES) if storage.is_local(run_dir) else []
+    files = [(f"{DATA}/metrics.jsonl", inputs.metrics, "run metrics")]
+    if inputs.config_bytes is not None:
+        files.append((f"{DATA}/config.json", inputs.config_bytes, "run config"))
+    plan = (config or {}).get("plan")
+    if isinstance(plan, dict):
+        files.append((f"{DATA}/plan.json", _json_bytes(plan), "the run's mixture plan"))
+    if ladder:
+        with storage.open_file(ladder_path, "rb") as handle:  # type: ignore[arg-type]
+            files.append((f"{DATA}/ladder.json", handle.read(), "scaling-ladder fit"))
+    if log_lines:
+        files.append((f"{DATA}/{LOG}", "".join(line + "\n" for line in log_lines).encode(), "training log"))
     return {
         "name": summary[0][1],
         "summary": summary,
@@ -262,6 +356,10 @@ def build_run(run_dir: str, ladder_path: str | None = None) -> dict[str, Any]:
         "metrics_path": metrics_path,
         "config_path": config_path if config is not None else None,
         "ladder": ladder,
+        "follow": build_follow(all_rows, config, run_dir, live, log_lines),
+        "hardware": build_hardware(rows, vlines),
+        "live": live,
+        "files": files,
     }
 
 
@@ -507,3 +605,389 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.2f} h"
+
+
+# --- what a follower of a live run needs (`tokenmill train --publish`; docs/reports.md, "Live run page") ---
+
+DATA = "data/run"  # where the site keeps the files behind the run page
+LOG_COPY_LINES = 500  # the log's last lines copied beside the page
+LOG_SHOWN_LINES = 40  # ...and shown on it
+ETA_ROWS = 50  # the rows whose median step time gives the ETA
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class LiveStatus:
+    """What only the training process knows about a version of the page it publishes."""
+
+    state: str  # "training", "finished" (the phase's last step is done) or "stopped" (error, interruption)
+    updated: float  # Unix time this version was made
+    version: int = 0  # counts the versions published by this process
+    target_step: int | None = None  # the step this phase trains up to
+    checkpoint_step: int | None = None  # the latest checkpoint this process started saving
+    message: str = ""  # why training stopped
+    refresh_seconds: int = 0  # the browser reloads the page this often while training goes on
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "updated": _utc(self.updated),
+            "updated_unix": self.updated,
+            "version": self.version,
+            "target_step": self.target_step,
+            "checkpoint_step": self.checkpoint_step,
+            "message": self.message,
+        }
+
+
+def _json_bytes(value: Any) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _utc(unix: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix))
+
+
+def read_log_tail(path: str, lines: int, max_bytes: int = 1 << 16) -> list[str]:
+    """The last `lines` lines of a local log file (reading at most its last `max_bytes`); [] if absent."""
+    try:
+        with open(storage.local_path(path), "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", errors="replace").splitlines()
+    if size > max_bytes and text:
+        text = text[1:]  # the first line was cut by the seek
+    return text[-lines:] if lines > 0 else []
+
+
+def latest_checkpoint(run_dir: str) -> int | None:
+    """The newest finished checkpoint in run_dir/checkpoints (orbax names each by its step and renames it
+    into place only when complete); None if there is none or the folder is not local."""
+    folder = storage.join(run_dir, "checkpoints")
+    if not storage.is_local(folder) or not os.path.isdir(storage.local_path(folder)):
+        return None
+    steps = [int(name) for name in os.listdir(storage.local_path(folder)) if name.isdigit()]
+    return max(steps, default=None)
+
+
+def _phases(config: dict[str, Any] | None) -> tuple[list[dict[str, Any]], int | None, int | None]:
+    """The plan's phases (name, start_step, end_step, sources), its total steps and tokens per step; for a
+    run without a plan, one phase over the schedule's steps."""
+    config = config or {}
+    plan = config.get("plan")
+    if isinstance(plan, dict) and isinstance(plan.get("phases"), list) and plan["phases"]:
+        phases = [p for p in plan["phases"] if isinstance(p, dict)]
+        total = plan.get("total_steps") or max((int(p.get("end_step") or 0) for p in phases), default=None)
+        return phases, total, plan.get("tokens_per_step")
+    schedule = config.get("schedule") or {}
+    total = schedule.get("total_steps")
+    data = config.get("data") or {}
+    per_step = (data.get("batch_size") or 0) * (data.get("seq_len") or 0) or None
+    if not total:
+        return [], None, per_step
+    return [{"name": data.get("phase") or "pretraining", "start_step": 0, "end_step": total}], total, per_step
+
+
+def _seconds_per_step(rows: list[dict[str, Any]], tokens_per_step: int | None) -> float | None:
+    """The median over the last ETA_ROWS rows (the median passes over a compile or a checkpoint stall)."""
+    recent = rows[-ETA_ROWS:]
+    times = [v for v in (_number(r.get("step_seconds")) for r in recent) if v and v > 0]
+    if not times and tokens_per_step:
+        times = [tokens_per_step / v for v in (_number(r.get("tokens_per_second")) for r in recent) if v]
+    return sorted(times)[len(times) // 2] if times else None
+
+
+def build_follow(
+    rows: list[dict[str, Any]],
+    config: dict[str, Any] | None,
+    run_dir: str,
+    live: LiveStatus | None,
+    log_lines: list[str],
+) -> dict[str, Any]:
+    """Where the run is: phase and step against the plan with an ETA, the mixture sampled at this step, the
+    latest checkpoint, when the numbers were taken, and the log's last lines."""
+    last = rows[-1]
+    done = int(last["step"]) + 1  # steps trained
+    phase_name = last.get("phase")
+    phases, total, tokens_per_step = _phases(config)
+    phase = next((p for p in phases if p.get("name") == phase_name), None)
+    if phase is None and phases:
+        phase = next((p for p in phases if p["start_step"] <= done - 1 < p["end_step"]), phases[-1])
+    phase_end = int(phase["end_step"]) if phase else None
+    target = live.target_step if live and live.target_step else phase_end
+
+    timestamp = _number(last.get("timestamp"))
+    if live is not None:
+        updated = f"Last updated {_utc(live.updated)}, at step {done:,}."
+    elif timestamp is not None:
+        updated = f"Metrics as of {_utc(timestamp)} (step {done:,})."
+    else:
+        updated = f"Metrics up to step {done:,}."
+
+    if live is not None:
+        state = {"training": "training", "finished": "phase finished", "stopped": "stopped"}.get(
+            live.state, live.state
+        )
+    elif total and done >= total:
+        state = "finished"
+    elif target and done >= target:
+        state = "phase finished"
+    else:
+        state = "in progress or stopped"  # a report cannot tell which; the live page can
+    training = live is not None and live.state == "training"
+
+    progress = None
+    if total:
+        boundaries = [
+            {
+                "at": 100 * int(p["start_step"]) / total,
+                "label": f"{p['name']} from step {int(p['start_step']):,}",
+            }
+            for p in phases[1:]
+        ]
+        seconds = _seconds_per_step(rows, tokens_per_step)
+        eta = []
+        if seconds and (training or (live is None and done < (target or 0))):
+            now = live.updated if live else timestamp
+            if target and target > done:
+                left = (target - done) * seconds
+                at = f" (about {_utc(now + left)})" if now else ""
+                eta.append(f"phase {phase_name} reaches step {target:,} in {_duration(left)}{at}")
+            if total > done and (not target or total > target):
+                left = (total - done) * seconds
+                at = f" (about {_utc(now + left)})" if now else ""
+                eta.append(f"the plan's last step ({total:,}) in {_duration(left)}{at}")
+        progress = {
+            "done": done,
+            "total": total,
+            "percent": min(100.0, 100 * done / total),
+            "label": f"step {done:,} of {total:,} ({100 * done / total:.1f}%)"
+            if done <= total
+            else f"step {done:,}, past the plan's {total:,}",
+            "boundaries": boundaries,
+            "phase": phase_name,
+            "phase_range": f"steps {int(phase['start_step']):,}–{int(phase['end_step']):,}" if phase else "",
+            "eta": "; ".join(eta),
+            "seconds_per_step": f"{seconds:.3g} s per step (median of the last {min(len(rows), ETA_ROWS)})"
+            if seconds
+            else "",
+        }
+
+    mixture = None
+    sources = (phase or {}).get("sources")
+    if isinstance(sources, list) and sources:
+        steps_in = max(0, done - int(phase["start_step"])) if phase else 0  # type: ignore[index]
+        segments = []
+        table = []
+        for index, source in enumerate(sources):
+            weight = _number(source.get("weight")) or 0.0
+            sampled = weight * steps_in * (tokens_per_step or 0)
+            available = _number(source.get("tokens_available"))
+            segments.append(
+                svg.Segment(
+                    str(source.get("name")), weight, f"{100 * weight:.1f}%", svg.category_color(index)
+                )
+            )
+            table.append(
+                (
+                    str(source.get("name")),
+                    svg.category_color(index),
+                    f"{100 * weight:.1f}%",
+                    str(source.get("block_sequences") or "–"),
+                    format_count(sampled) if tokens_per_step else "–",
+                    format_count(_number(source.get("tokens")) or 0),
+                    f"{sampled / available:.3f}" if available and tokens_per_step else "–",
+                )
+            )
+        mixture = {
+            "phase": phase_name,
+            "bar": svg.stacked_bar(segments, width=880, height=18),
+            "rows": table,
+            "steps_in": steps_in,
+        }
+
+    checkpoint = latest_checkpoint(run_dir)
+    if live is not None and live.checkpoint_step is not None and (checkpoint or -1) < live.checkpoint_step:
+        checkpoint_text = f"step {live.checkpoint_step:,} (being written)"
+    elif checkpoint is not None:
+        where = storage.join(os.path.basename(run_dir.rstrip("/")), "checkpoints", str(checkpoint))
+        checkpoint_text = f"step {checkpoint:,} ({where})"
+    else:
+        checkpoint_text = "none yet"
+
+    facts = [
+        ("state", state),
+        ("phase", f"{phase_name}" + (f", {progress['phase_range']}" if progress else "")),
+    ]
+    if live is not None and live.message:
+        facts.append(("why it stopped", live.message))
+    facts.append(("latest checkpoint", checkpoint_text))
+    if progress and progress["seconds_per_step"]:
+        facts.append(("pace", progress["seconds_per_step"]))
+    kinds = list(dict.fromkeys(str(r["device_kind"]) for r in rows if r.get("device_kind")))
+    if kinds:
+        devices = _number(last.get("devices"))
+        facts.append(("devices", (f"{int(devices)} x " if devices else "") + ", then ".join(kinds)))
+    return {
+        "state": state,
+        "training": training,
+        "updated": updated,
+        "progress": progress,
+        "mixture": mixture,
+        "facts": facts,
+        "log": log_lines[-LOG_SHOWN_LINES:],
+        "log_total": len(log_lines),
+        "refresh": live.refresh_seconds if training and live else 0,
+    }
+
+
+def _by_kind(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> list[svg.Series]:
+    """One series of `key` per device kind (a run resumed on other hardware shows both)."""
+    kinds = list(dict.fromkeys(str(r.get("device_kind")) for r in rows if r.get("device_kind")))
+    if not kinds:
+        return [svg.Series(key, [(float(r["step"]), _scaled(r.get(key), scale)) for r in rows])]
+    return [
+        svg.Series(
+            kind,
+            [
+                (float(r["step"]), _scaled(r.get(key), scale) if r.get("device_kind") == kind else None)
+                for r in rows
+            ],
+        )
+        for kind in kinds
+    ]
+
+
+def _scaled(value: Any, scale: float) -> float | None:
+    number = _number(value)
+    return None if number is None else number * scale
+
+
+def _per_gpu(rows: list[dict[str, Any]], key: str) -> list[svg.Series]:
+    gpus = _per_layer(rows, key)
+
+    def at(row: dict[str, Any], index: int) -> float | None:
+        values = row.get(key)
+        return _number(values[index]) if isinstance(values, list) and len(values) > index else None
+
+    return [
+        svg.Series(f"GPU {index}", [(float(r["step"]), at(r, index)) for r in rows])
+        for index in range(min(gpus, MAX_LAYER_SERIES))
+    ]
+
+
+def build_hardware(rows: list[dict[str, Any]], vlines: list[svg.VLine]) -> dict[str, Any]:
+    """Charts of the telemetry a run logged (docs/formats.md, "Runs"); a reading no row has is left out
+    and named, so a CPU run's page says there was no device memory or NVML rather than drawing nothing."""
+    step = svg.Axis("step")
+    charts = []
+    missing = []
+
+    def add(title: str, series: list[svg.Series], y: svg.Axis, note: str, what: str) -> None:
+        if not any(p[1] is not None for s in series for p in s.points):
+            missing.append(what)
+            return
+        charts.append(
+            {
+                "title": title,
+                "note": note,
+                "svg": svg.line_chart(series, title=title, x=step, y=y, vlines=vlines),
+            }
+        )
+
+    parts = ["step", "data", "compute", "checkpoint", "publish"]
+    add(
+        "Step time",
+        [_series(rows, f"{part}_seconds", "whole step" if part == "step" else part) for part in parts],
+        # Logarithmic: the first step (compilation) takes thousands of times longer than the rest.
+        svg.Axis("seconds", log=True),
+        "Wall time since the previous logged step, and its parts: waiting for the batch, the step on the "
+        "devices, starting a checkpoint, handing the page to the publisher (log scale; zero is not drawn).",
+        "the step-time breakdown",
+    )
+    add(
+        "Throughput per device",
+        _by_kind(rows, "tokens_per_second_per_device"),
+        svg.Axis("tokens per second per device", low=0.0),
+        "Tokens per second divided by the devices of the mesh, one line per device type.",
+        "throughput per device",
+    )
+    add(
+        "MFU by device type",
+        _by_kind(rows, "mfu"),
+        svg.Axis("MFU", low=0.0),
+        "Model FLOPs utilization against the peak of the run's devices, one line per device type.",
+        "MFU",
+    )
+    add(
+        "Device memory",
+        [
+            _series_scaled(rows, "device_memory_bytes", "in use", 1 / GIB),
+            _series_scaled(rows, "device_memory_peak_bytes", "peak", 1 / GIB),
+            svg.Series(
+                "limit",
+                [(float(r["step"]), _scaled(r.get("device_memory_limit_bytes"), 1 / GIB)) for r in rows],
+                dashed=True,
+            ),
+        ],
+        svg.Axis("GiB", low=0.0),
+        "The fullest local device of process 0, from the runtime's allocator (jax memory_stats).",
+        "device memory (the backend keeps no statistics, e.g. CPU)",
+    )
+    add(
+        "Host memory",
+        [_series_scaled(rows, "host_memory_bytes", "resident set", 1 / GIB)],
+        svg.Axis("GiB", low=0.0),
+        "Resident memory of the training process (process 0).",
+        "host memory",
+    )
+    add(
+        "GPU utilisation",
+        _per_gpu(rows, "gpu_utilization"),
+        svg.Axis("percent", low=0.0, high=100.0),
+        "NVML: percent of the time a kernel ran, per GPU of process 0.",
+        "NVIDIA readings (no NVIDIA GPU, or nvidia-ml-py not installed)",
+    )
+    if charts and charts[-1]["title"] == "GPU utilisation":
+        add(
+            "GPU power",
+            _per_gpu(rows, "gpu_power_watts"),
+            svg.Axis("watts", low=0.0),
+            "NVML, per GPU.",
+            "power",
+        )
+        add(
+            "GPU temperature",
+            _per_gpu(rows, "gpu_temperature_c"),
+            svg.Axis("°C"),
+            "NVML, per GPU.",
+            "temperature",
+        )
+    last = rows[-1]
+    facts = []
+    for key, label in (
+        ("device_memory_bytes", "device memory in use"),
+        ("device_memory_peak_bytes", "device memory peak"),
+        ("device_memory_limit_bytes", "device memory limit"),
+        ("host_memory_bytes", "host memory (RSS)"),
+    ):
+        value = _number(last.get(key))
+        if value is not None:
+            facts.append((label, f"{value / GIB:.2f} GiB"))
+    for key, label, unit in (
+        ("gpu_utilization", "GPU utilisation", "%"),
+        ("gpu_power_watts", "GPU power", " W"),
+        ("gpu_temperature_c", "GPU temperature", " °C"),
+    ):
+        values = [v for v in (_number(x) for x in last.get(key) or []) if v is not None]
+        if values:
+            facts.append((label, ", ".join(f"{v:.0f}{unit}" for v in values)))
+    return {"charts": charts, "missing": missing, "facts": facts}
+
+
+def _series_scaled(rows: list[dict[str, Any]], key: str, name: str, scale: float) -> svg.Series:
+    return svg.Series(name, [(float(r["step"]), _scaled(r.get(key), scale)) for r in rows])

@@ -81,13 +81,47 @@ def _check_output(output: str) -> None:
         raise InputError(f"{output}: is a file; --output must be a folder")
     if not os.path.isdir(path) or not os.listdir(path):
         return
-    index = os.path.join(path, "index.html")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8", errors="replace") as handle:
-            if f'<meta name="generator" content="{GENERATOR}' in handle.read(4096):
-                return
+    # An earlier report, or the live run page `tokenmill train --publish` keeps in the same folder.
+    for page in ("index.html", "run.html"):
+        if is_earlier_page(os.path.join(path, page)):
+            return
     raise InputError(
         f"{output}: folder is not empty and holds no earlier report; choose an empty or new folder"
+    )
+
+
+def is_earlier_page(path: str) -> bool:
+    """Whether the local file `path` is a page this module wrote (its generator meta says so)."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return f'<meta name="generator" content="{GENERATOR}' in handle.read(4096)
+
+
+def render_run_page(
+    run_page: dict[str, Any], *, title: str = "Data overview", has_overview: bool = True
+) -> bytes:
+    """run.html from `build_run`'s content: for `build_site`, and for the trainer's live publishing
+    (`tokenmill.trainer.publish`), which has no overview beside it until the final report."""
+    script = _asset("search.js")
+    return (
+        _environment()
+        .get_template("run.html.j2")
+        .render(
+            title=title,
+            version=__version__,
+            generator=GENERATOR,
+            style=_asset("style.css"),
+            script=script,
+            script_hash=_script_hash(script),
+            has_run=True,
+            run_name=run_page["name"],
+            page="run",
+            r=run_page,
+            has_overview=has_overview,
+            refresh=run_page["follow"]["refresh"],
+        )
+        .encode("utf-8")
     )
 
 
@@ -176,13 +210,8 @@ def build_site(
     )
     publish("data/overview.json", _json_bytes(overview["data"]), "the page's numbers", "page")
     if run_page:
-        publish("data/run/metrics.jsonl", _read_bytes(run_page["metrics_path"]), "run metrics", "run")
-        if run_page["config_path"]:
-            publish("data/run/config.json", _read_bytes(run_page["config_path"]), "run config", "run")
-        if run_page["ladder"]:
-            publish(
-                "data/run/ladder.json", _read_bytes(run_page["ladder"]["path"]), "scaling-ladder fit", "run"
-            )
+        for relative, payload, label in run_page["files"]:
+            publish(relative, payload, label, "run")
     sums = "".join(
         f"{f['sha256']}  {f['href'][len('data/') :]}\n" for f in sorted(data_files, key=lambda f: f["href"])
     )
@@ -214,9 +243,7 @@ def build_site(
         .encode("utf-8")
     )
     if run_page:
-        outputs["run.html"] = (
-            env.get_template("run.html.j2").render(**common, page="run", r=run_page).encode("utf-8")
-        )
+        outputs["run.html"] = render_run_page(run_page, title=title)
 
     # Each atomic write ends in an fsync, which waits on the disk and not the CPU: a few threads overlap them.
     with ThreadPoolExecutor(max_workers=8) as pool:

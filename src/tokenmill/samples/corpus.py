@@ -2,7 +2,7 @@
 
 English prose from the standard library's docstrings, code from its source files, other languages, spam
 and boilerplate (`tokenmill.samples.text`), and documents of the other domains drawn with the generators
-the bundled classifiers are trained on (`tokenmill.samples.classifier_data`). Exact duplicates (the same
+of `tokenmill.samples.generated` (word lists and templates, not found text). Exact duplicates (the same
 text in several files and formats) and near duplicates (a few words edited, inserted or deleted) are
 planted, and a few lines that are not documents, so that every curation stage has something to do. The
 output is deterministic for a given Python version: a fixed seed, sorted module lists, gzip without a
@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from tokenmill.samples.classifier_data import domain_documents
+from tokenmill.samples.generated import generated_documents
 from tokenmill.samples.text import (
     OTHER_LANGUAGES,
     boilerplate_doc,
@@ -92,9 +92,9 @@ def make_corpus(seed: int = 1234) -> dict[str, list[dict]]:
                 "kind": f"language_{language}",
             }
         )
-    # Other domains, drawn with the generators the bundled classifiers are trained on (another seed).
+    # Other kinds, generated from word lists and templates (tokenmill.samples.generated; another seed).
     for domain in ("web", "math", "science", "legal", "conversation"):
-        for number, record in enumerate(domain_documents(random.Random(seed + 7), 40, [domain])):
+        for number, record in enumerate(generated_documents(random.Random(seed + 7), 40, [domain])):
             records.append({"id": f"{domain}-{number:05d}", "text": record["text"], "kind": domain})
     rng.shuffle(records)
 

@@ -15,6 +15,7 @@ import io
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,12 +148,13 @@ def make_report_inputs(
     layers: int = 2,
     experts: int = 8,
     files_per_cell: int = 2,
+    names: Sequence[str] | None = None,
 ) -> ReportInputs:
     """Write a full set of report inputs under `root` and return where each is."""
     rng = random.Random(seed)
     curate = root / "curate"
     tokens_dir = root / "tokens"
-    names = domain_names(domains)
+    names = list(names) if names else domain_names(domains)  # e.g. topic domains c00, c01, ...
     cells: list[str] = []
     cell_stats: dict[str, dict[str, int]] = {}
     source_stats: dict[str, dict[str, int]] = {

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -54,7 +54,17 @@ class MoEConfig(BaseModel):
     # The router z-loss weight (mean squared log-sum-exp of the router logits); logged whatever its weight.
     z_loss: float = 0.0
     dispatch: Literal["capacity", "dropless"] = "capacity"
+    # Capacity dispatch: slots per expert = this x the balanced share. Per batch row on one device; per
+    # (sender shard x expert) cell under expert parallelism.
     capacity_factor: float = 1.25
+    # Run the routed experts expert-parallel (trainer/expert_parallel.py: shard_map and all-to-all) whenever
+    # the ambient mesh has an `expert` axis larger than one. False leaves them to XLA's automatic partitioner.
+    expert_parallel: bool = True
+    # Dropless under expert parallelism (ragged all-to-all): each device's receive buffer holds this x the
+    # balanced share of token copies, and copies past it are dropped and counted (Marin's hero: 1.15). None
+    # sizes it for the worst case (every copy of the expert group lands on one device), which never drops
+    # but grows with the expert-axis size: set a factor at scale.
+    receive_capacity_factor: float | None = None
     # LatentMoE: the routed experts work in a narrower space. Tokens go d_model -> latent_dim (then RMSNorm)
     # before dispatch and the combined expert output goes latent_dim -> d_model; the router and the shared
     # experts still read the full-width token.
@@ -71,6 +81,8 @@ class MoEConfig(BaseModel):
             raise ValueError("quantile balancing needs top_k < n_experts (it reads the (k+1)-th score)")
         if self.capacity_factor <= 0:
             raise ValueError("capacity_factor must be positive")
+        if self.receive_capacity_factor is not None and self.receive_capacity_factor <= 0:
+            raise ValueError("receive_capacity_factor must be positive")
         if self.quantile_bins is not None and (self.balancing != "quantile" or self.quantile_bins < 2):
             raise ValueError("quantile_bins needs balancing: quantile and at least 2 bins")
         if self.latent_dim is not None and self.latent_dim <= 0:
@@ -102,6 +114,30 @@ class ReferenceRun(BaseModel):
         if self.steps <= 0 or self.batch_size <= 0:
             raise ValueError("steps and batch_size must be positive")
         return self
+
+
+# What the backward pass keeps of each layer's forward (jax.checkpoint policies, see model.py `remat_layer`):
+# "none" keeps every intermediate, "full" keeps only the layer's input and recomputes the rest,
+# "dots_saveable" keeps the matmul outputs and recomputes the elementwise work between them, "offload" keeps
+# the weight matmuls' outputs in pinned host memory instead of on the device.
+RematPolicy = Literal["none", "full", "dots_saveable", "offload"]
+
+
+class LayerGroup(NamedTuple):
+    """Layers start, start + 1, ... start + period * repeats - 1, whose attention schedule repeats every
+    `period` layers: they run as one jax.lax.scan of `repeats` steps over a body of `period` layers."""
+
+    start: int
+    period: int
+    repeats: int
+
+    @property
+    def n_layers(self) -> int:
+        return self.period * self.repeats
+
+    def layer(self, repeat: int, position: int) -> int:
+        """The model's layer index of `position` in the `repeat`-th pass of the body."""
+        return self.start + repeat * self.period + position
 
 
 class ModelConfig(BaseModel):
@@ -164,6 +200,14 @@ class ModelConfig(BaseModel):
     # Scale matrices that write into the residual stream by 1/sqrt(2 n_layers) at init (GPT-2's trick).
     init_scale_outputs: bool = True
     reference_run: ReferenceRun | None = None
+    # What each layer keeps for the backward pass (RematPolicy above); a memory/compute trade, not a shape.
+    remat: RematPolicy = "none"
+    # Query positions per attention block (None: all at once). Blocked, a layer's [B, heads, S, S] scores
+    # are made one [B, heads, block, S] slice at a time and remade in the backward pass; same result.
+    attention_block: int | None = None
+    # Positions per block of the output head's logits in the loss (None: all at once): only
+    # [B, block, vocab] logits are alive at a time; same result.
+    loss_block: int | None = None
     moe: MoEConfig
 
     @model_validator(mode="after")
@@ -189,6 +233,10 @@ class ModelConfig(BaseModel):
             raise ValueError("global_every must be positive and excludes sliding_window_layers")
         if self.gated_norm_rank is not None and self.gated_norm_rank <= 0:
             raise ValueError("gated_norm_rank must be positive")
+        if (self.attention_block is not None and self.attention_block <= 0) or (
+            self.loss_block is not None and self.loss_block <= 0
+        ):
+            raise ValueError("attention_block and loss_block must be positive")
         if self.sconv_kernel <= 0:
             raise ValueError("sconv_kernel must be positive")
         if len(set(self.sconv_sites)) != len(self.sconv_sites):
@@ -230,6 +278,28 @@ class ModelConfig(BaseModel):
     def rotary(self, layer: int) -> bool:
         """Whether a layer applies rotary positions."""
         return self.rope_on_global_layers or not self.is_global(layer)
+
+    def layer_kind(self, layer: int) -> tuple:
+        """What makes one layer's computation differ from another's: window, KV heads, rotary positions."""
+        return (self.window(layer), self.kv_heads(layer), self.rotary(layer))
+
+    def layer_groups(self) -> list[LayerGroup]:
+        """The layers as scanned groups: a body of `period` layers repeated while the layer kinds repeat
+        (Marin: 3 local + 1 global), then the layers left over as one more group of one pass (Marin's d2048:
+        layers 20 and 21, local and the forced-global last). The period is the one that leaves the fewest
+        layers to compile (period + leftover): compile time grows with that, not with depth."""
+        kinds = [self.layer_kind(layer) for layer in range(self.n_layers)]
+        best = LayerGroup(0, self.n_layers, 1)
+        for period in range(1, self.n_layers + 1):
+            repeats = self.n_layers // period
+            if all(kinds[i] == kinds[i % period] for i in range(period * repeats)):
+                compiled = period + self.n_layers - period * repeats
+                if compiled < best.period + self.n_layers - best.n_layers:
+                    best = LayerGroup(0, period, repeats)
+        groups = [best]
+        if best.n_layers < self.n_layers:
+            groups.append(LayerGroup(best.n_layers, self.n_layers - best.n_layers, 1))
+        return groups
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

@@ -14,6 +14,14 @@ while norms, rotary angles, the router and the loss stay in fp32.
 
 The router bias is not a parameter: it is passed separately (`router_bias`, [n_layers, n_experts]) so that
 no gradient or optimizer ever touches it, and it is checkpointed next to the parameters.
+
+Layers are stored stacked and run under jax.lax.scan, so that compile time does not grow with depth. The
+layers are cut into groups whose attention schedule repeats (`ModelConfig.layer_groups`: Marin's body is
+three local layers and one global one, repeated n_layers / 4 times, plus any layers left over as a group of
+one pass). `params["layers"][g][p]` is the layer at position p of group g's body, every leaf with a leading
+axis of the group's repeats: layer `start + r * period + p` is slice r. This is the only layout; code that
+wants one layer's weights takes `layer_params(params, cfg, layer)`. Each layer can be rematerialised in the
+backward pass by the policy `cfg.remat` names (`remat_layer`).
 """
 
 from __future__ import annotations
@@ -22,9 +30,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from tokenmill.trainer.config import ModelConfig
+from tokenmill.trainer.config import LayerGroup, ModelConfig, RematPolicy
 from tokenmill.trainer.moe import (
     BATCH_AXES,
     MoEStats,
@@ -38,15 +45,33 @@ from tokenmill.trainer.moe import (
 
 Params = dict[str, Any]
 
-__all__ = ["attention", "forward", "init_params", "init_router_bias", "layer_forward", "loss_fn", "rms_norm"]
+__all__ = [
+    "attention",
+    "forward",
+    "init_params",
+    "init_router_bias",
+    "layer_axes",
+    "layer_forward",
+    "layer_params",
+    "loss_fn",
+    "output_losses",
+    "remat_layer",
+    "rms_norm",
+    "trunk",
+]
+
+# The key under which the stacked layers live; every leaf below it has one leading (repeat) axis.
+LAYERS = "layers"
 
 
 # --- parameters -----------------------------------------------------------------------------------------
 
 
 def init_params(key: jax.Array, cfg: ModelConfig) -> Params:
-    """Every weight of the model, fp32, as nested dicts (a list of layers). Optional pieces are present
-    only when the shape has them, so a parameter count is a count of what the model really uses."""
+    """Every weight of the model, fp32, as nested dicts, the layers stacked by group (the module docstring).
+    Optional pieces are present only when the shape has them, so a parameter count is a count of what the
+    model really uses. Layer i draws from the i-th key whatever the grouping, so the weights do not depend
+    on how the layers are grouped."""
     d, std, out_std = cfg.d_model, cfg.weight_std, output_std(cfg)
     kv_width = cfg.stored_kv_heads * cfg.head_dim
     key_embed, key_head, *layer_keys = jax.random.split(key, 2 + cfg.n_layers)
@@ -94,9 +119,18 @@ def init_params(key: jax.Array, cfg: ModelConfig) -> Params:
                 params[f"sconv_{site}"] = sconv(d)
         return params
 
+    layer_keys = jnp.stack(layer_keys)
+    stacked = [
+        [
+            # vmap draws exactly what layer(key) draws key by key, but traces the layer once.
+            jax.vmap(layer)(layer_keys[group.start + position :: group.period][: group.repeats])
+            for position in range(group.period)
+        ]
+        for group in cfg.layer_groups()
+    ]
     params = {
         "embed": matrix(key_embed, (cfg.vocab_size, d), std),
-        "layers": [layer(k) for k in layer_keys],
+        LAYERS: stacked,
         "final_norm": jnp.ones((d,)),
         "lm_head": matrix(key_head, (d, cfg.vocab_size), std),
     }
@@ -112,6 +146,22 @@ def init_params(key: jax.Array, cfg: ModelConfig) -> Params:
 def init_router_bias(cfg: ModelConfig) -> jax.Array:
     """Zero bias for every layer's router: [n_layers, n_experts], fp32."""
     return jnp.zeros((cfg.n_layers, cfg.moe.n_experts), jnp.float32)
+
+
+def layer_axes(path: tuple) -> int:
+    """Leading axes a parameter at this pytree path has beyond its per-layer shape: 1 under the stacked
+    layers (the repeat axis), 0 elsewhere. The optimizer and the sharding treat those axes as a batch."""
+    first = path[0] if path else None
+    return 1 if getattr(first, "key", None) == LAYERS else 0
+
+
+def layer_params(params: Params, cfg: ModelConfig, layer: int) -> Params:
+    """One layer's weights, unstacked: the dict `layer_forward` takes (for tests and inspection)."""
+    for index, group in enumerate(cfg.layer_groups()):
+        if group.start <= layer < group.start + group.n_layers:
+            repeat, position = divmod(layer - group.start, group.period)
+            return jax.tree.map(lambda leaf, r=repeat: leaf[r], params[LAYERS][index][position])
+    raise IndexError(f"layer {layer} outside 0..{cfg.n_layers - 1}")
 
 
 # --- pieces ---------------------------------------------------------------------------------------------
@@ -211,16 +261,20 @@ def attention(
         k = rotary(k, positions, cfg.rope_theta, cfg.rope_dims, cfg.rope_interleaved)
     if cfg.qk_mult != 1.0:
         q = q * jnp.asarray(cfg.qk_mult, dtype)
-    # A query may only look at keys of its own document: [B, 1, S, S], broadcast over heads.
-    same_document = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, :, :]
-    out = jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        mask=same_document,
-        is_causal=True,
-        local_window_size=(window - 1, 0) if window else None,
-    )  # [B, S, heads, head_dim]
+    block = block_size(s, cfg.attention_block)
+    if block == s:
+        # A query may only look at keys of its own document: [B, 1, S, S], broadcast over heads.
+        same_document = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, :, :]
+        out = jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=same_document,
+            is_causal=True,
+            local_window_size=(window - 1, 0) if window else None,
+        )  # [B, S, heads, head_dim]
+    else:
+        out = blocked_attention(q, k, v, segment_ids, window, block)
     if cfg.xsa:
         # Exclusive self-attention: z = y - (y.v / |v|^2) v per head, with v the token's own value.
         own_value = jnp.repeat(v, heads // kv_heads, axis=2)  # query head h reads KV head h // group
@@ -230,6 +284,38 @@ def attention(
         gate = 2 * jax.nn.sigmoid(x @ params["gate"].astype(dtype))  # [B, S, heads]
         out = out * gate[..., None]
     return out.reshape(b, s, heads * head_dim) @ params["wo"].astype(dtype)
+
+
+def blocked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int | None, block: int
+) -> jax.Array:
+    """Causal, document-blocked (and windowed) attention `block` queries at a time: q [B, S, heads, dim],
+    k and v [B, S, kv_heads, dim] -> [B, S, heads, dim].
+
+    Each block of queries attends to every key under an explicit mask (the causal, window and document
+    rules of the unblocked call), so its scores are [B, heads, block, S] rather than [B, heads, S, S]; the
+    block is recomputed in the backward pass (jax.checkpoint), so no S x S array is ever kept.
+    """
+    b, s, heads, head_dim = q.shape
+    blocks = s // block
+    positions = jnp.arange(s)
+
+    def one_block(q_block: jax.Array, segments: jax.Array, offset: jax.Array) -> jax.Array:
+        query_positions = offset + jnp.arange(block)
+        allowed = positions[None, :] <= query_positions[:, None]
+        if window:
+            allowed = allowed & (positions[None, :] > query_positions[:, None] - window)
+        mask = allowed[None, None] & (segments[:, :, None] == segment_ids[:, None, :])[:, None]
+        return jax.nn.dot_product_attention(q_block, k, v, mask=mask)
+
+    step = jax.checkpoint(one_block)
+    inputs = (
+        q.reshape(b, blocks, block, heads, head_dim).swapaxes(0, 1),
+        segment_ids.reshape(b, blocks, block).swapaxes(0, 1),
+        jnp.arange(blocks) * block,
+    )
+    _, out = jax.lax.scan(lambda carry, xs: (carry, step(*xs)), None, inputs)
+    return out.swapaxes(0, 1).reshape(b, s, heads, head_dim)
 
 
 # --- the model ------------------------------------------------------------------------------------------
@@ -249,13 +335,104 @@ def layer_forward(
     y = attention(params["attn"], h, segment_ids, cfg, layer)
     if "sconv_attn" in params:
         y = short_conv(y, params["sconv_attn"], segment_ids)
-    x = x + y
+    x = x + y.astype(x.dtype)
     h = norm(x, params["mlp_norm"], params.get("mlp_gated_norm"), cfg.norm_eps)
     y, stats = moe_block(params["moe"], h, router_bias, cfg.moe, cfg.norm_eps)
     if "sconv_mlp" in params:
         y = short_conv(y, params["sconv_mlp"], segment_ids)
-    x = constrain(x + y, BATCH_AXES, None, None)
+    # The residual stream keeps the compute dtype: an fp32 block output (fp32 combine weights) would
+    # promote it, and with it every activation saved for the backward pass, to fp32.
+    x = constrain(x + y.astype(x.dtype), BATCH_AXES, None, None)
     return x, stats
+
+
+def remat_layer(policy: RematPolicy) -> Any:
+    """`layer_forward` wrapped in jax.checkpoint with the named policy (see config.RematPolicy).
+
+    "offload" moves the saved matmul outputs to pinned host memory and back for the backward pass; a
+    backend without host memory spaces fails to compile it with XLA's own error.
+    """
+    if policy == "none":
+        return layer_forward
+    policies = {
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots_saveable": jax.checkpoint_policies.dots_saveable,
+        # Weight matmuls only (no batch dimension in the contraction): attention's score and value products
+        # are recomputed, the projections' outputs go to the host.
+        "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+            offload_src="device", offload_dst="pinned_host"
+        ),
+    }
+    saved = policies[policy]
+
+    def rematerialised(
+        params: Params,
+        x: jax.Array,
+        segment_ids: jax.Array,
+        router_bias: jax.Array,
+        cfg: ModelConfig,
+        layer: int,
+    ) -> tuple[jax.Array, MoEStats]:
+        # cfg and the layer index are closed over: they choose the layer's shapes, not its values.
+        def run(params: Params, x: jax.Array, segment_ids: jax.Array, router_bias: jax.Array):
+            return layer_forward(params, x, segment_ids, router_bias, cfg, layer)
+
+        return jax.checkpoint(run, policy=saved)(params, x, segment_ids, router_bias)
+
+    return rematerialised
+
+
+def run_group(
+    group_params: list[Params],
+    x: jax.Array,
+    segment_ids: jax.Array,
+    router_bias: jax.Array,
+    cfg: ModelConfig,
+    group: LayerGroup,
+) -> tuple[jax.Array, MoEStats]:
+    """The group's layers as one jax.lax.scan over its repeats; the body runs its `period` layers in order.
+
+    router_bias: [group.n_layers, E] for the group's layers in order. Returns the residual stream and the
+    MoE statistics of the group's layers, in layer order ([group.n_layers, ...]).
+    """
+    block = remat_layer(cfg.remat)
+    bias = router_bias.reshape(group.repeats, group.period, -1)
+
+    def body(x: jax.Array, xs: tuple[list[Params], jax.Array]) -> tuple[jax.Array, MoEStats]:
+        layers, layer_bias = xs
+        all_stats = []
+        for position, weights in enumerate(layers):
+            # The layer index fixes this position's kind, the same on every repeat by construction.
+            x, stats = block(weights, x, segment_ids, layer_bias[position], cfg, group.layer(0, position))
+            all_stats.append(stats)
+        return x, jax.tree.map(lambda *leaves: jnp.stack(leaves), *all_stats)
+
+    x, stats = jax.lax.scan(body, x, (group_params, bias))
+    # [repeats, period, ...] -> [repeats * period, ...]: layer start + r * period + p is row r * period + p.
+    return x, jax.tree.map(lambda leaf: leaf.reshape(group.n_layers, *leaf.shape[2:]), stats)
+
+
+def trunk(
+    params: Params,
+    router_bias: jax.Array,
+    tokens: jax.Array,
+    segment_ids: jax.Array,
+    cfg: ModelConfig,
+    dtype: Any = jnp.float32,
+) -> tuple[jax.Array, MoEStats]:
+    """The final-normed hidden states [B, S, D] for tokens [B, S] (what the output head reads), and the MoE
+    statistics stacked over layers."""
+    x = params["embed"][tokens].astype(dtype)
+    x = constrain(x, BATCH_AXES, None, None)
+    if cfg.embed_norm:
+        x = norm(x, params["embed_norm"], params.get("embed_gated_norm"), cfg.norm_eps)
+    all_stats = []
+    for group, group_params in zip(cfg.layer_groups(), params[LAYERS], strict=True):
+        bias = router_bias[group.start : group.start + group.n_layers]
+        x, stats = run_group(group_params, x, segment_ids, bias, cfg, group)
+        all_stats.append(stats)
+    x = norm(x, params["final_norm"], params.get("final_gated_norm"), cfg.norm_eps)
+    return x, jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *all_stats)
 
 
 def forward(
@@ -267,18 +444,53 @@ def forward(
     dtype: Any = jnp.float32,
 ) -> tuple[jax.Array, MoEStats]:
     """Logits [B, S, vocab] (fp32) for tokens [B, S], and the MoE statistics stacked over layers."""
-    x = params["embed"][tokens].astype(dtype)
-    x = constrain(x, BATCH_AXES, None, None)
-    if cfg.embed_norm:
-        x = norm(x, params["embed_norm"], params.get("embed_gated_norm"), cfg.norm_eps)
-    all_stats = []
-    for layer, layer_params in enumerate(params["layers"]):
-        x, stats = layer_forward(layer_params, x, segment_ids, router_bias[layer], cfg, layer)
-        all_stats.append(stats)
-    x = norm(x, params["final_norm"], params.get("final_gated_norm"), cfg.norm_eps)
-    logits = jnp.dot(x, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32)
-    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *all_stats)
-    return logits, stacked
+    x, stats = trunk(params, router_bias, tokens, segment_ids, cfg, dtype)
+    return jnp.dot(x, params["lm_head"].astype(x.dtype), preferred_element_type=jnp.float32), stats
+
+
+def block_size(length: int, block: int | None) -> int:
+    """The largest divisor of `length` that is at most `block` (None: the whole length)."""
+    if not block or block >= length:
+        return length
+    return next(size for size in range(block, 0, -1) if length % size == 0)
+
+
+def output_losses(
+    x: jax.Array, head: jax.Array, targets: jax.Array, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Mean cross-entropy of targets [B, S] under the logits x @ head, and the mean squared log-partition
+    (the final-logit z-loss), computed `cfg.loss_block` positions at a time.
+
+    The [B, S, vocab] logits are the largest activation of a model with a large vocabulary (Marin's rungs:
+    33.6 GB fp32 per device for 16 rows of 4,096 tokens at vocab 128,256, several times over in the backward
+    pass). Blocked, each block's logits are made, reduced to two numbers per token and dropped, and made
+    again in the backward pass (jax.checkpoint), so only [B, block, vocab] is ever alive.
+    """
+    b, s, d = x.shape
+    block = block_size(s, cfg.loss_block)
+    head = head.astype(x.dtype)
+
+    def losses(x_block: jax.Array, target_block: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits = jnp.dot(x_block, head, preferred_element_type=jnp.float32)
+        log_partition = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, target_block[..., None], axis=-1)[..., 0]
+        return jnp.sum(log_partition - picked), jnp.sum(log_partition**2)
+
+    if block == s:
+        cross_entropy, z = losses(x, targets)
+    else:
+        blocks = s // block
+        xs = x.reshape(b, blocks, block, d).swapaxes(0, 1)
+        ts = targets.reshape(b, blocks, block).swapaxes(0, 1)
+        step = jax.checkpoint(losses)
+
+        def body(carry: tuple, inputs: tuple) -> tuple[tuple, None]:
+            ce, z = step(*inputs)
+            return (carry[0] + ce, carry[1] + z), None
+
+        zero = jnp.zeros((), jnp.float32)
+        (cross_entropy, z), _ = jax.lax.scan(body, (zero, zero), (xs, ts))
+    return cross_entropy / (b * s), z / (b * s)
 
 
 def loss_fn(
@@ -295,8 +507,8 @@ def loss_fn(
     alone is what gets logged as the loss.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits, stats = forward(params, router_bias, inputs, segment_ids[:, :-1], cfg, dtype)
-    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    x, stats = trunk(params, router_bias, inputs, segment_ids[:, :-1], cfg, dtype)
+    cross_entropy, logit_z = output_losses(x, params["lm_head"], targets, cfg)
     objective = cross_entropy
     if cfg.moe.load_balance_loss:
         objective = objective + cfg.moe.load_balance_loss * stats.balance_loss.mean()
@@ -304,5 +516,5 @@ def loss_fn(
         objective = objective + cfg.moe.z_loss * stats.z_loss.mean()
     if cfg.logit_z_loss:
         # Keeps the log-partition of the output near zero, so the logits cannot drift up together.
-        objective = objective + cfg.logit_z_loss * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        objective = objective + cfg.logit_z_loss * logit_z
     return objective, (cross_entropy, stats)

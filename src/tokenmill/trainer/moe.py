@@ -10,7 +10,9 @@ What is here, top to bottom:
   expert; tokens past the buffer are dropped and counted; fast on CPU and trivially shardable) and "dropless"
   (tokens sorted by expert and run through jax.lax.ragged_dot grouped matmuls; nothing dropped).
 - `moe_block`: routing, the optional latent projection around the routed experts (LatentMoE), the dispatch
-  and the shared experts.
+  and the shared experts. On a mesh with an `expert` axis larger than one the routing and the routed
+  experts run expert-parallel instead (expert_parallel.py: shard_map, all-to-all); the two dispatches here
+  are the single-device reference it is tested against.
 - `update_router_bias`: the bias update applied after each optimizer step, outside the optimizer.
 
 Shapes: B batch, S sequence, D d_model (or latent_dim inside the routed experts), E experts, k top_k,
@@ -115,21 +117,30 @@ class Routing(NamedTuple):
     z_loss: jax.Array  # scalar, mean squared log-partition of the router logits
 
 
-def histogram_upper_quantile(values: jax.Array, rank: float, bins: int) -> jax.Array:
+def histogram_upper_quantile(
+    values: jax.Array, rank: float, bins: int, axis_names: tuple[str, ...] = ()
+) -> jax.Array:
     """Per column of values [T, E], the v with `rank` of the T values at or above it, from a histogram.
 
     One grid for all columns: `bins` equal bins over the values' overall [min, max]. Counts are taken per
     column, and the answer is interpolated linearly inside the bin where the count from the top crosses
-    `rank`. Marin's estimator: on a mesh the [T, E] array is global, so the counts (E x bins integers) are
-    summed across devices by one reduction, whatever the number of tokens.
+    `rank`. Marin's estimator. Inside shard_map, `axis_names` are the mesh axes the tokens are split over:
+    each device bins its own rows, and the range (a pmin and a pmax) and the counts (E x bins, one psum) are
+    reduced across them, so the answer is the global batch's whatever the number of tokens; `rank` is then
+    a rank in the global batch.
     """
     t, e = values.shape
     lo = jnp.min(values)
-    hi = jnp.maximum(jnp.max(values), lo + 1e-6)  # all-equal values would give zero-width bins
+    hi = jnp.max(values)
+    if axis_names:
+        lo, hi = jax.lax.pmin(lo, axis_names), jax.lax.pmax(hi, axis_names)
+    hi = jnp.maximum(hi, lo + 1e-6)  # all-equal values would give zero-width bins
     width = (hi - lo) / bins
     index = jnp.clip(((values - lo) / width).astype(jnp.int32), 0, bins - 1)
     flat = (jnp.arange(e, dtype=jnp.int32)[None, :] * bins + index).reshape(-1)
     counts = jnp.bincount(flat, length=e * bins).reshape(e, bins).astype(jnp.float32)
+    if axis_names:
+        counts = jax.lax.psum(counts, axis_names)
     from_top = jnp.cumsum(counts[:, ::-1], axis=-1)[:, ::-1]  # values in bins >= b
     # The highest bin whose count from the top still reaches the rank (from_top never increases).
     crossing = jnp.clip(jnp.sum(from_top >= rank, axis=-1) - 1, 0, bins - 1)
@@ -138,8 +149,16 @@ def histogram_upper_quantile(values: jax.Array, rank: float, bins: int) -> jax.A
     return lo + width * crossing + width * (at_or_above - rank) / jnp.maximum(in_bin, 1.0)
 
 
-def route(x: jax.Array, router: jax.Array, bias: jax.Array, m: MoEConfig) -> Routing:
-    """Choose top_k experts for each of T tokens x [T, D] (see the module docstring)."""
+def route(
+    x: jax.Array, router: jax.Array, bias: jax.Array, m: MoEConfig, axis_names: tuple[str, ...] = ()
+) -> Routing:
+    """Choose top_k experts for each of T tokens x [T, D] (see the module docstring).
+
+    The choices are per token, so they need only this device's tokens. Inside shard_map, `axis_names` are
+    the mesh axes the tokens are split over, and the statistics (load, quantile bias, balance and z losses)
+    are reduced across them so that balancing sees the global batch: one psum of the [E] load, plus the
+    histogram's reductions for quantile balancing. Nothing of size [global tokens, E] is formed.
+    """
     # fp32 because top-k choices flip on small differences and the z-loss squares the logits.
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     scores = jax.nn.sigmoid(logits) if m.score_fn == "sigmoid" else jax.nn.softmax(logits, axis=-1)
@@ -154,8 +173,12 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, m: MoEConfig) -> Rou
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-9)
     weights = weights * m.route_scale
 
-    chosen = jax.nn.one_hot(expert_ids, m.n_experts, dtype=jnp.float32)  # [T, k, E]
-    load = chosen.sum((0, 1))
+    # A bincount rather than a one-hot sum: no [T, k, E] array, k times the size of the scores.
+    load = jnp.bincount(expert_ids.reshape(-1), length=m.n_experts).astype(jnp.float32)
+    n_tokens = expert_ids.shape[0]
+    if axis_names:
+        load = jax.lax.psum(load, axis_names)
+        n_tokens = n_tokens * math.prod(jax.lax.axis_size(name) for name in axis_names)
 
     if m.balancing == "quantile":
         # Token t takes expert e iff unbiased[t, e] + bias[e] beats the best biased value it did not take
@@ -165,8 +188,14 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, m: MoEConfig) -> Rou
         cutoff = jax.lax.stop_gradient(top_values[:, m.top_k])
         if m.quantile_bins:
             margins = jax.lax.stop_gradient(unbiased) - cutoff[:, None]
-            rank = margins.shape[0] * m.top_k / m.n_experts
-            quantile_bias = -histogram_upper_quantile(margins, rank, m.quantile_bins)
+            rank = n_tokens * m.top_k / m.n_experts
+            quantile_bias = -histogram_upper_quantile(margins, rank, m.quantile_bins, axis_names)
+        elif axis_names:
+            raise ValueError(
+                "quantile balancing without quantile_bins takes an exact quantile over the whole batch, "
+                "which expert parallelism never gathers on one device: set moe.quantile_bins (Marin: "
+                "10000), or moe.expert_parallel: false"
+            )
         else:
             required = cutoff[:, None] - jax.lax.stop_gradient(unbiased)
             quantile_bias = jnp.quantile(required, m.top_k / m.n_experts, axis=0)
@@ -174,11 +203,15 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, m: MoEConfig) -> Rou
     else:
         quantile_bias = jnp.zeros((m.n_experts,), jnp.float32)
 
-    n_assignments = expert_ids.shape[0] * m.top_k
+    n_assignments = n_tokens * m.top_k
     fraction = jax.lax.stop_gradient(load) / n_assignments
     probs = scores / (scores.sum(-1, keepdims=True) + 1e-9)
-    balance_loss = m.n_experts * jnp.sum(fraction * probs.mean(0))
+    mean_probs = probs.mean(0)
     z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    if axis_names:
+        # Every device holds the same number of tokens, so the mean of means is the global mean.
+        mean_probs, z_loss = jax.lax.pmean((mean_probs, z_loss), axis_names)
+    balance_loss = m.n_experts * jnp.sum(fraction * mean_probs)
     return Routing(expert_ids, weights, load, quantile_bias, balance_loss, z_loss)
 
 
@@ -272,17 +305,30 @@ def moe_block(
 
     With a latent space the router reads x, the routed experts read RMSNorm(x @ latent_down) and their
     weighted sum is mapped back by latent_up; the shared experts read x.
+
+    The routed experts run expert-parallel (expert_parallel.py: every device routes its own tokens and an
+    all-to-all carries them to the experts' devices) when the ambient mesh has an `expert` axis larger than
+    one and `moe.expert_parallel` is on; otherwise the dispatches above run, which are the reference that
+    the expert-parallel path is tested against. The latent projections and the shared experts are dense
+    and stay with XLA's automatic partitioner either way.
     """
+    # Imported here: expert_parallel builds on route() and the Routing/MoEStats types of this module.
+    from tokenmill.trainer import expert_parallel
+
     b, s, d = x.shape
-    routing = route(x.reshape(b * s, d), params["router"], bias, m)
-    dispatch = capacity_dispatch if m.dispatch == "capacity" else dropless_dispatch
     expert_in = x
     if m.latent_dim:
         # Narrow before dispatch so that the all-to-all carries latent_dim-wide rows both ways; the norm
         # keeps the experts' input scale independent of latent_down's.
         expert_in = x @ params["latent_down"].astype(x.dtype)
         expert_in = rms_norm(expert_in, params["latent_norm"], norm_eps)
-    y, dropped = dispatch(expert_in, routing, params, m)
+    if expert_parallel.enabled(m):
+        y, stats = expert_parallel.routed_experts(params, x, expert_in, bias, m)
+    else:
+        routing = route(x.reshape(b * s, d), params["router"], bias, m)
+        dispatch = capacity_dispatch if m.dispatch == "capacity" else dropless_dispatch
+        y, dropped = dispatch(expert_in, routing, params, m)
+        stats = MoEStats(routing.load, dropped, routing.quantile_bias, routing.balance_loss, routing.z_loss)
     if m.latent_dim:
         y = y @ params["latent_up"].astype(x.dtype)
     shared = params.get("shared_experts", [params] if m.shared_width else [])
@@ -293,7 +339,6 @@ def moe_block(
             expert["shared_up"].astype(x.dtype),
             expert["shared_down"].astype(x.dtype),
         )
-    stats = MoEStats(routing.load, dropped, routing.quantile_bias, routing.balance_loss, routing.z_loss)
     return y, stats
 
 

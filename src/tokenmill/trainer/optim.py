@@ -26,12 +26,15 @@ evaluates the schedule at the global step in the train state and passes the valu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from tokenmill.trainer.model import layer_axes
 
 OptimizerKind = Literal["adamw", "muon", "muonh"]
 
@@ -90,7 +93,8 @@ class Schedule:
 
 
 def _matrix_dims(leaf: jax.Array) -> optax.contrib.MuonDimensionNumbers:
-    """The last two axes are one matrix [fan_in, fan_out]; leading axes (experts, layers) are a batch."""
+    """The last two axes are one matrix [fan_in, fan_out]; leading axes (layer repeats, experts) are a
+    batch."""
     return optax.contrib.MuonDimensionNumbers(reduction_axis=leaf.ndim - 2, output_axis=leaf.ndim - 1)
 
 
@@ -129,9 +133,35 @@ def newton_schulz(
 
     def update_fn(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, optax.EmptyState]:
         del params
-        return jax.tree.map(lambda u: orthogonalise(u, coefficients, eps), updates), state
+        return jax.tree.map(lambda u: _orthogonalise_whole(u, coefficients, eps), updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _orthogonalise_whole(u: jax.Array, coefficients: tuple, eps: float) -> jax.Array:
+    """`orthogonalise` a stack of matrices [..., in, out] on a mesh with each device holding whole matrices.
+
+    Newton-Schulz needs every entry of a matrix, but the parameters are sharded inside their matrices
+    (fsdp on d_model), so XLA would gather each expert leaf's matrices over fsdp for every layer at once
+    ([12, 48, 3072, 3072] fp32 per leaf per device for the 535B, several times over in the iteration's
+    temporaries). When a leading axis (experts: 384) divides by the whole mesh, the stack is split over the
+    mesh along it instead (an all-to-all that keeps the bytes per device), each device orthogonalises its
+    own matrices, and the result returns to the parameter's sharding. Otherwise (a layer stack of 12
+    matrices on 64 devices), XLA's partitioner decides, as without a mesh.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if u.ndim < 3 or mesh.empty:
+        return orthogonalise(u, coefficients, eps)
+    # Experts' axis first: param_spec splits experts over "expert", so the all-to-all stays within fsdp.
+    axes = tuple(sorted((n for n in mesh.axis_names if mesh.shape[n] > 1), key=lambda n: n != "expert"))
+    size = math.prod(mesh.shape[n] for n in axes)
+    leading = [dim for dim in range(u.ndim - 2) if u.shape[dim] % size == 0]
+    if not axes or not leading:
+        return orthogonalise(u, coefficients, eps)
+    spec = [None] * u.ndim
+    spec[max(leading, key=lambda dim: u.shape[dim])] = axes
+    whole = jax.lax.with_sharding_constraint(u, jax.sharding.PartitionSpec(*spec))
+    return orthogonalise(whole, coefficients, eps)
 
 
 def hyperball_step() -> optax.GradientTransformationExtraArgs:
@@ -207,6 +237,12 @@ def _keys(path: tuple) -> list[str]:
     return [str(getattr(entry, "key", getattr(entry, "idx", entry))) for entry in path]
 
 
+def _layer_ndim(path: tuple, leaf: jax.Array) -> int:
+    """A parameter's dimensions as one layer sees them: the stacked layers' repeat axis is a batch axis,
+    so a stacked norm scale [repeats, d] is still a vector and a stacked matrix is still one matrix each."""
+    return leaf.ndim - layer_axes(path)
+
+
 def optimizer_groups(params: Any) -> Any:
     """The MuonH group of each leaf: "muonh" (hidden matrices, GatedNorm's projections, experts),
     "adamh" (the output head) or "adam" (embedding, router, attention gate, SConv kernels, vectors)."""
@@ -216,7 +252,7 @@ def optimizer_groups(params: Any) -> Any:
         if ADAMH_KEYS.intersection(keys):
             return "adamh"
         if (
-            leaf.ndim < 2
+            _layer_ndim(path, leaf) < 2
             or ADAM_KEYS.intersection(keys)
             or any(k.startswith(ADAM_KEY_PREFIXES) for k in keys)
         ):
@@ -227,7 +263,7 @@ def optimizer_groups(params: Any) -> Any:
 
 
 def _is_matrix(path: tuple, leaf: jax.Array) -> bool:
-    return leaf.ndim >= 2
+    return _layer_ndim(path, leaf) >= 2
 
 
 def _decay_mask(params: dict) -> dict:
@@ -244,7 +280,7 @@ def _muon_dims(params: dict) -> dict:
 
     def dims(path: tuple, leaf: jax.Array) -> optax.contrib.MuonDimensionNumbers | None:
         name = jax.tree_util.keystr(path)
-        if leaf.ndim < 2 or "embed" in name or "lm_head" in name:
+        if _layer_ndim(path, leaf) < 2 or "embed" in name or "lm_head" in name:
             return None
         return _matrix_dims(leaf)
 

@@ -25,15 +25,14 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from tokenmill.errors import FormatError
 from tokenmill.formats.plan import MixturePlan
-from tokenmill.formats.runs import read_run_record
+from tokenmill.formats.runs import RECORD_KEYS, read_run_record
 from tokenmill.trainer.config import ModelConfig, load_model_config
 from tokenmill.trainer.heuristic import HEURISTICS, MAY_RECIPE, is_marin_family, warmup_steps_for
 from tokenmill.units import parse_count
 from tokenmill.validation import validation_problems
 
-# Keys a run's config.json adds to the resolved configuration: facts about the run, not settings. Reading a
-# config.json back skips them.
-RECORD_KEYS = ("params", "flops_per_token", "processes", "plan", "phases")
+# Keys a run's config.json adds to the resolved configuration (RECORD_KEYS, formats/runs.py): facts about the
+# run, not settings. Reading a config.json back skips them.
 DEFAULT_BATCH_SIZE = 8
 
 
@@ -91,6 +90,18 @@ class OptimizerConfig(Section):
     epsilon: float | None = Field(None, description="Adam's epsilon (default: the heuristic's, else 1e-8)")
     weight_decay: float | None = Field(None, description="default: 0 (muonh) or 0.1")
     clip_norm: float | None = Field(None, description="gradient global-norm clip, 0: none (default: 0 or 1)")
+    state_memory: Literal["device", "pinned_host"] = Field(
+        "device",
+        description="where the optimizer state lives between steps: device memory, or the host's pinned "
+        "memory (brought to the device for the update and back, as the reference run did)",
+    )
+    microbatches: int = Field(
+        1,
+        ge=1,
+        description="gradient accumulation: the step's batch runs as this many equal microbatches (one "
+        "forward and backward each, gradients summed in fp32), then one optimizer update; activation "
+        "memory shrinks in proportion, the batch size the optimizer sees does not",
+    )
 
 
 class ScheduleConfig(Section):
@@ -193,7 +204,8 @@ class CheckpointConfig(Section):
 
 
 class LoggingConfig(Section):
-    """runs/NAME/metrics.jsonl, always; Weights & Biases when a project is given."""
+    """runs/NAME/metrics.jsonl and train.log, always; Weights & Biases when a project is given; the live
+    run page when a publish destination is given."""
 
     peak_flops: float | None = Field(
         None,
@@ -202,6 +214,24 @@ class LoggingConfig(Section):
     )
     wandb_project: str | None = Field(
         None, description="also log to Weights & Biases (if installed; WANDB_MODE=offline ok)"
+    )
+    publish: str | None = Field(
+        None,
+        description="republish the run page (run.html and data/run/) into this folder or gs:// prefix while "
+        'training, from a background thread (docs/reports.md, "Live run page")',
+    )
+    publish_every: int = Field(
+        100, gt=0, description="publish every this many steps (and at every checkpoint)"
+    )
+    publish_refresh: int = Field(
+        60,
+        ge=0,
+        description="the published page reloads itself this often in the browser, seconds (0: never)",
+    )
+    publish_ladder: str | None = Field(
+        None,
+        description="a scaling-ladder fit (`tokenmill ladder fit`'s ladder.json) drawn against the live loss "
+        "(default: the run folder's ladder.json, if any)",
     )
 
 
@@ -366,6 +396,10 @@ def resolve_run_config(
             f"batch size {data.batch_size} (--batch-size) differs from the plan's {planned_batch}"
         )
     batch_size = data.batch_size or planned_batch or DEFAULT_BATCH_SIZE
+    if batch_size % given.microbatches:
+        raise RunConfigError(
+            f"optimizer.microbatches {given.microbatches} does not divide the batch of {batch_size} sequences"
+        )
     seq_len = data.seq_len or (plan.sequence_length if plan is not None else None) or model.seq_len
     if seq_len > model.seq_len:
         raise RunConfigError(f"sequence length {seq_len} is longer than the model's seq_len {model.seq_len}")
@@ -410,6 +444,8 @@ def resolve_run_config(
                 epsilon=pick(given.epsilon, "epsilon"),
                 weight_decay=pick(given.weight_decay, "weight_decay"),
                 clip_norm=pick(given.clip_norm, "clip_norm"),
+                state_memory=given.state_memory,
+                microbatches=given.microbatches,
             ),
             "schedule": ScheduleConfig(
                 steps=schedule.steps if schedule.steps is not None else phase.steps,

@@ -5,14 +5,15 @@
 - expert: routed experts are split by expert; outside the MoE block this axis splits the batch as well.
 
 The same code runs on one CPU (a 1x1x1 mesh) and on many hosts (after jax.distributed.initialize, the mesh
-spans every process's devices). Parameter shardings are written out here by name; activations are pinned in
-model.py/moe.py with `constrain`, and XLA's partitioner fills in the collectives.
+spans every process's devices; `maybe_initialize_distributed` passes it the coordinator, process count and
+id explicitly, from flags or the scheduler's variables, see launch.py). Parameter shardings are written out
+here by name; activations are pinned in model.py/moe.py with `constrain`, and XLA's partitioner fills in
+the collectives.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import jax
@@ -20,6 +21,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tokenmill.trainer.launch import DistributedSetupError, ProcessGroup, port_is_free, process_group
+from tokenmill.trainer.model import layer_axes
 from tokenmill.trainer.moe import BATCH_AXES
 
 log = logging.getLogger(__name__)
@@ -27,14 +30,65 @@ log = logging.getLogger(__name__)
 AXES = ("data", "fsdp", "expert")
 
 
-def maybe_initialize_distributed(force: bool = False) -> None:
-    """Join a multi-host job: jax.distributed.initialize reads the coordinator from the environment
-    (TPU pods and SLURM are detected automatically; elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES
-    and JAX_PROCESS_ID). Without `force` it runs only when such variables are present."""
-    markers = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES")
-    if force or any(os.environ.get(name) for name in markers):
-        jax.distributed.initialize()
-        log.info("process %d of %d", jax.process_index(), jax.process_count())
+def maybe_initialize_distributed(
+    force: bool = False,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> ProcessGroup | None:
+    """Join a multi-host job: jax.distributed.initialize with the coordinator, process count and process id
+    given explicitly, from the flags or the variables the scheduler sets (launch.py: `--coordinator`,
+    `--num-processes`, `--process-id`; JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID;
+    SLURM's srun; a JobSet's completion index). jax 0.10 reads only JAX_COORDINATOR_ADDRESS itself, so the
+    other two must be passed. Without `force` (--distributed) it runs only when one of them is there; with
+    it and none of them, JAX's own detection (Cloud TPU, Open MPI) decides. Returns the process group
+    joined, or None (one process, or JAX's detection)."""
+    group = process_group(coordinator, num_processes, process_id)
+    if group is None and not force:
+        return None
+    # CPU processes need a cross-process collective implementation (simulated multi-host tests, CPU-only
+    # clusters); jax 0.10 defaults to gloo, and a choice made in the environment is kept.
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if group is None:
+        try:
+            jax.distributed.initialize()
+        except ValueError as error:
+            raise DistributedSetupError(
+                f"--distributed: JAX found no cluster to join ({error}); give --coordinator HOST:PORT, "
+                "--num-processes N and --process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                "JAX_PROCESS_ID), or run under srun or the JobSet `tokenmill launch` writes"
+            ) from error
+        log.info("process %d of %d (JAX's cluster detection)", jax.process_index(), jax.process_count())
+        return None
+    log.info("joining the job as %s", group.describe())
+    port = int(group.coordinator.rsplit(":", 1)[-1])
+    if group.process_id == 0 and not port_is_free(port):
+        # Checked first: jaxlib (0.10) can crash outright when the coordinator's port is taken.
+        raise DistributedSetupError(
+            f"cannot serve the job's coordinator on port {port} of this host (process 0): it is taken; "
+            "choose another in --coordinator HOST:PORT (or JAX_COORDINATOR_ADDRESS / JAX_COORDINATOR_PORT) "
+            "on every host"
+        )
+    # 'deactivate': the three are known; JAX's SLURM detection would otherwise pin each process to one
+    # local device (JAX_LOCAL_DEVICE_IDS still picks devices where a launcher sets it).
+    try:
+        jax.distributed.initialize(
+            coordinator_address=group.coordinator,
+            num_processes=group.num_processes,
+            process_id=group.process_id,
+            cluster_detection_method="deactivate",
+        )
+    except jax.errors.JaxRuntimeError as error:
+        # Process 0 serves the coordinator: the usual failure is its port taken on this host.
+        hint = (
+            f"; is port {port} taken on this host? Choose another in --coordinator HOST:PORT (or "
+            "JAX_COORDINATOR_ADDRESS / JAX_COORDINATOR_PORT) on every host"
+            if group.process_id == 0
+            else f"; is process 0 up and {group.coordinator} reachable from this host?"
+        )
+        raise DistributedSetupError(f"cannot join the job as {group.describe()}: {error}{hint}") from error
+    return group
 
 
 def parse_mesh_shape(text: str | None, n_devices: int) -> tuple[int, int, int]:
@@ -83,23 +137,31 @@ def _fits(dim: int, mesh: Mesh, axes: str | tuple[str, ...]) -> bool:
 
 
 def param_spec(path: tuple, leaf: Any, mesh: Mesh) -> P:
-    """The sharding of one parameter, by name: experts by expert (and fsdp), matrices by fsdp on d_model."""
+    """The sharding of one parameter, by name: experts by expert (and fsdp), matrices by fsdp on d_model.
+
+    Stacked layers' leading repeat axis is never split: the scan takes one slice per step, and a split
+    would make every device wait for the one holding that layer."""
     name = jax.tree_util.keystr(path)
-    shape = leaf.shape
+    stacked = layer_axes(path)
+    shape = leaf.shape[stacked:]
+    return P(*([None] * stacked), *_layer_spec(name, shape, mesh))
+
+
+def _layer_spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> tuple:
     if name.endswith("['w_gate']") or name.endswith("['w_up']") or name.endswith("['w_down']"):
         experts = "expert" if _fits(shape[0], mesh, "expert") else None
         inner = "fsdp" if _fits(shape[1], mesh, "fsdp") else None
-        return P(experts, inner, None)
+        return (experts, inner, None)
     if len(shape) == 2:
         # Shard the d_model side: rows of the input projections, columns of the embedding.
         d_axis = 1 if name.startswith("['embed']") else 0
         if name.endswith("['wo']") or name.endswith("['shared_down']"):
             d_axis = 1
-        spec = [None, None]
+        spec: list = [None, None]
         if _fits(shape[d_axis], mesh, "fsdp"):
             spec[d_axis] = "fsdp"
-        return P(*spec)
-    return P()  # norms' scales and other vectors: replicated, they are tiny
+        return tuple(spec)
+    return ()  # norms' scales and other vectors: replicated, they are tiny
 
 
 def param_shardings(params: Any, mesh: Mesh) -> Any:
@@ -116,21 +178,39 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def state_shardings(state: Any, params_sharding: Any, mesh: Mesh) -> Any:
-    """Shardings for the whole train state. Subtrees of the optimizer state shaped like the parameters
-    (Adam's moments) follow the parameters; everything else (counts, the step, the router bias) is
-    replicated."""
-    params_def = jax.tree.structure(state["params"])
+def state_shardings(state: Any, params_sharding: Any, mesh: Mesh, optimizer_memory: str = "device") -> Any:
+    """Shardings for the whole train state {step, params, opt_state, router_bias}.
 
-    def is_param_tree(node: Any) -> bool:
-        return jax.tree.structure(node) == params_def
+    An optimizer-state leaf that holds one number per parameter (Adam's moments, Muon's momentum, under
+    whatever wrapper optax puts them: a partition's masked trees, a chain's tuple) is found by its path,
+    which ends with the parameter's path, and is sharded like that parameter. Everything else (counts, the
+    step, the router bias) is replicated. optimizer_memory "pinned_host" keeps the whole optimizer state in
+    the host's pinned memory (the train step brings it to the device and back), as the reference run did.
+    """
+    by_path = {
+        jax.tree_util.keystr(path): (leaf.shape, sharding)
+        for (path, leaf), sharding in zip(
+            jax.tree_util.tree_flatten_with_path(state["params"])[0],
+            jax.tree.leaves(params_sharding),
+            strict=True,
+        )
+    }
 
-    def assign(node: Any) -> Any:
-        return params_sharding if is_param_tree(node) else replicated(mesh)
+    def optimizer_leaf(path: tuple, leaf: Any) -> NamedSharding:
+        for start in range(len(path)):
+            found = by_path.get(jax.tree_util.keystr(path[start:]))
+            if found is not None and found[0] == leaf.shape:
+                return found[1].with_memory_kind(optimizer_memory)
+        return NamedSharding(mesh, P(), memory_kind=optimizer_memory)
 
     return {
         "step": replicated(mesh),
         "params": params_sharding,
-        "opt_state": jax.tree.map(assign, state["opt_state"], is_leaf=is_param_tree),
+        "opt_state": jax.tree_util.tree_map_with_path(optimizer_leaf, state["opt_state"]),
         "router_bias": replicated(mesh),
     }
+
+
+def device_memory(shardings: Any) -> Any:
+    """The same shardings in device memory: where the train step computes on state kept on the host."""
+    return jax.tree.map(lambda sharding: sharding.with_memory_kind("device"), shardings)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,13 +32,15 @@ from tokenmill.formats.plan import MixturePlan
 from tokenmill.formats.runs import (
     CONFIG,
     METRICS,
+    extend_history,
+    history_entry,
     metrics_line,
     parse_metrics_line,
     read_run_record,
     write_run_record,
 )
 from tokenmill.trainer import model
-from tokenmill.trainer.checkpoint import Checkpointer
+from tokenmill.trainer.checkpoint import Change, Checkpointer, identity_changes, plan_sha256_of, run_identity
 from tokenmill.trainer.config import ModelConfig
 from tokenmill.trainer.data import Batch, BatchSource
 from tokenmill.trainer.flops import count_params, flops_per_token, known_peak_flops, measure_matmul_flops
@@ -47,11 +50,13 @@ from tokenmill.trainer.run_config import RunConfig, resolve_run_config
 from tokenmill.trainer.sharding import (
     AXES,
     batch_sharding,
+    device_memory,
     make_mesh,
     param_shardings,
     parse_mesh_shape,
     state_shardings,
 )
+from tokenmill.trainer.telemetry import StepTimer, Telemetry, capture_log, release_log
 
 log = logging.getLogger(__name__)
 
@@ -92,15 +97,74 @@ def make_schedule(run: RunConfig, phases: list[Phase]) -> Schedule:
     )
 
 
-def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, schedule: Schedule, dtype: Any):
-    """The step function (to be jitted): (state, tokens, segment_ids) -> (state, metrics)."""
+def make_train_step(
+    model_cfg: ModelConfig,
+    tx: optax.GradientTransformation,
+    schedule: Schedule,
+    dtype: Any,
+    microbatches: int = 1,
+    grad_shardings: Any = None,
+):
+    """The step function (to be jitted): (state, tokens, segment_ids) -> (state, metrics).
+
+    With `microbatches` N > 1 the batch runs as N microbatches under jax.lax.scan (gradient accumulation):
+    each has a forward and a backward pass, their gradients are summed in fp32 (sharded as `grad_shardings`
+    says, the parameters' layout) and averaged, then the optimizer updates once. Microbatch i takes rows
+    i, i+N, i+2N, ... so that each device's rows split evenly among the microbatches and no row moves
+    between devices. Activation memory is that of B/N rows. The loss, the gradients and the router load
+    (summed over microbatches: the bias update sees the whole batch's load) equal the one-pass step's up to
+    float rounding, since every microbatch has the same number of tokens. Statistics that are not sums over
+    tokens are averaged over microbatches: the balance loss, the router z-loss and quantile balancing's
+    target bias (a batch quantile; the average of the microbatches' is close to, not equal to, the batch's).
+    """
     m = model_cfg.moe
 
-    def train_step(state: dict, tokens: jax.Array, segment_ids: jax.Array) -> tuple[dict, dict]:
+    def gradients(state: dict, tokens: jax.Array, segment_ids: jax.Array) -> tuple:
         def objective(params: dict) -> tuple[jax.Array, Any]:
             return model.loss_fn(params, state["router_bias"], tokens, segment_ids, model_cfg, dtype)
 
-        (total_loss, (loss, stats)), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
+        return jax.value_and_grad(objective, has_aux=True)(state["params"])
+
+    def accumulated(state: dict, tokens: jax.Array, segment_ids: jax.Array) -> tuple:
+        if microbatches == 1:
+            return gradients(state, tokens, segment_ids)
+        if tokens.shape[0] % microbatches:
+            raise ValueError(f"{microbatches} microbatches do not divide a batch of {tokens.shape[0]} rows")
+
+        def split(array: jax.Array) -> jax.Array:
+            # Row r goes to microbatch r % N: a device's contiguous block of rows splits evenly.
+            return array.reshape(-1, microbatches, *array.shape[1:]).swapaxes(0, 1)
+
+        def keep_layout(grads: Any) -> Any:
+            if grad_shardings is None:
+                return grads
+            return jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+        def body(carry: tuple, batch: tuple) -> tuple[tuple, None]:
+            (total, (loss, stats)), grads = gradients(state, *batch)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            carry_total, carry_loss, carry_stats, carry_grads = carry
+            summed = jax.tree.map(jnp.add, carry_grads, grads)
+            return (carry_total + total, carry_loss + loss, jax.tree.map(jnp.add, carry_stats, stats),
+                    keep_layout(summed)), None  # fmt: skip
+
+        first = jax.eval_shape(gradients, state, split(tokens)[0], split(segment_ids)[0])
+        (_, (_, stats_shape)), grads_shape = first
+        stats_zero = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), stats_shape)
+        grads_zero = keep_layout(jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), grads_shape))
+        start = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), stats_zero, grads_zero)
+        (total, loss, stats, grads), _ = jax.lax.scan(body, start, (split(tokens), split(segment_ids)))
+        n = microbatches
+        stats = stats._replace(
+            quantile_bias=stats.quantile_bias / n,
+            balance_loss=stats.balance_loss / n,
+            z_loss=stats.z_loss / n,
+        )
+        grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, state["params"])
+        return (total / n, (loss / n, stats)), grads
+
+    def train_step(state: dict, tokens: jax.Array, segment_ids: jax.Array) -> tuple[dict, dict]:
+        (total_loss, (loss, stats)), grads = accumulated(state, tokens, segment_ids)
         lr = schedule(state["step"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"], learning_rate=lr)
         params = optax.apply_updates(state["params"], updates)
@@ -172,6 +236,11 @@ class MetricsWriter:
                 flat[f"expert_load_max/layer{layer}"] = max(load)
             self.wandb.log(flat, step=row["step"])
 
+    @property
+    def size(self) -> int:
+        """Bytes of metrics.jsonl written so far: whole rows only, since every write is flushed."""
+        return self.file.tell() if self.enabled and not self.file.closed else 0
+
     def close(self) -> None:
         if self.enabled:
             self.file.close()
@@ -205,10 +274,13 @@ def train(
     phases: list[Phase],
     plan: MixturePlan | None = None,
     stop_after: int | None = None,
+    allow_data_change: bool = False,
 ) -> list[dict]:
     """Train the run's phase (resuming from its checkpoints) and return the metrics rows logged.
 
     stop_after: stop after this many steps as if killed (no final checkpoint), for resume drills and tests.
+    allow_data_change: resume even though the plan, seed, tokenizer, batch or model differ from the
+    checkpoint's (otherwise a TrainingError names what changed); config.json's history records it.
     """
     run = resolve_run_config(run, phases, plan)
     if not run.output:
@@ -248,8 +320,18 @@ def train(
 
         checkpoint = run.checkpoint
         checkpoints = Checkpointer(run_dir / "checkpoints", checkpoint.keep, checkpoint.asynchronous)
-        state, start, meta = _restore_or_start(
-            lambda: init_fn(jax.random.key(run.seed)), layout, checkpoints, run, phases, phase, phase_index
+        identity = run_identity(run, plan, {axis: mesh.shape[axis] for axis in AXES}, jax.process_count())
+        state, start, meta, changes = _restore_or_start(
+            lambda: init_fn(jax.random.key(run.seed)),
+            layout,
+            checkpoints,
+            run,
+            phases,
+            phase,
+            phase_index,
+            identity,
+            allow_data_change,
+            plan,
         )
         # Tokens and FLOPs actually trained so far in this run (a phase cut short leaves a gap in steps).
         tokens_seen, flops_done = int(meta.get("tokens", 0)), float(meta.get("flops", 0.0))
@@ -273,25 +355,58 @@ def train(
             "plan": plan.to_json() if plan is not None else None,
         }
         if jax.process_index() == 0:
-            # One file per run: each phase's settings are kept under "phases", the latest also at the top.
+            # One file per run: each phase's settings are kept under "phases", the latest also at the top,
+            # and every configuration the run has trained with under "history", with the step it began at.
             config_path = str(run_dir / CONFIG)
-            previous = read_run_record(config_path).phases if os.path.exists(config_path) else None
+            previous = read_run_record(config_path) if os.path.exists(config_path) else None
             this_phase = {key: value for key, value in settings.items() if key != "model"}
-            config_record["phases"] = {**(previous or {}), phase.name: this_phase}
+            earlier_phases = (previous.phases if previous else None) or {}
+            config_record["phases"] = {**earlier_phases, phase.name: this_phase}
+            entry = history_entry(start, phase.name, settings, config_record["plan"], identity, changes)
+            config_record["history"] = extend_history(previous, entry)
             write_run_record(config_path, config_record)
-        writer = MetricsWriter(run_dir, start, run.logging.wandb_project, config_record)
+        # W&B gets the configuration in force; the history of earlier ones stays in config.json.
+        settings_record = {key: value for key, value in config_record.items() if key != "history"}
+        writer = MetricsWriter(run_dir, start, run.logging.wandb_project, settings_record)
+        try:
+            publisher = _live_publisher(run, run_dir) if writer.enabled else None
+        except ValueError:
+            checkpoints.close()
+            writer.close()
+            raise
+        # runs/NAME/train.log, for the run page's tail (process 0, like metrics.jsonl).
+        log_capture = capture_log(run_dir) if writer.enabled else None
+        log.info(
+            "phase %s: steps %d to %d on %d %s devices%s",
+            phase.name,
+            start,
+            target,
+            mesh.size,
+            jax.devices()[0].device_kind,
+            f" (from the checkpoint of step {meta['step']})" if "step" in meta else "",
+        )
+        if publisher is not None:
+            log.info("publishing the run page to %s every %d steps", run.logging.publish, publisher.every)
+        telemetry = Telemetry(jax.local_devices())
+        timer = StepTimer()
+        saved: int | None = None  # the latest checkpoint this process started
+        done = start
 
         def record(done: int) -> dict:
-            return {"phase": phase.name, "step": done, "tokens": tokens_seen, "flops": flops_done}
+            return {"phase": phase.name, "step": done, "tokens": tokens_seen, "flops": flops_done, **identity}
 
         rows: list[dict] = []
         t0 = last = time.perf_counter()
         try:
             for step in range(start, target):
-                batch = source.batch(step - phase.start_step)
-                tokens, segment_ids = _global_batch(batch, mesh, batch_size, seq_len, model_cfg.vocab_size)
-                state, metrics = step_fn(state, tokens, segment_ids)
-                metrics = jax.device_get(metrics)
+                with timer.part("data"):
+                    batch = source.batch(step - phase.start_step)
+                    tokens, segment_ids = _global_batch(
+                        batch, mesh, batch_size, seq_len, model_cfg.vocab_size
+                    )
+                with timer.part("compute"):
+                    state, metrics = step_fn(state, tokens, segment_ids)
+                    metrics = jax.device_get(metrics)
                 now = time.perf_counter()
                 loss = float(metrics["loss"])
                 if not math.isfinite(loss):
@@ -324,6 +439,12 @@ def train(
                     "objective": float(metrics["objective"]),
                     "balance_loss": float(metrics["balance_loss"]),
                     "router_z_loss": float(metrics["router_z_loss"]),
+                    # Telemetry (docs/formats.md, "Runs"): keys a backend cannot read are left out.
+                    "timestamp": time.time(),
+                    "devices": mesh.size,
+                    "tokens_per_second_per_device": tokens_per_step / elapsed / mesh.size,
+                    **timer.take(elapsed),
+                    **telemetry.sample(),
                 }
                 writer.write(row)
                 rows.append(row)
@@ -331,10 +452,17 @@ def train(
                 if stop_after is not None and done - start >= stop_after:
                     if done % checkpoint.every == 0:
                         checkpoints.save(done, state, record(done))
+                        saved = done
                     log.info("stopping after %d steps as asked (simulated interruption)", stop_after)
                     break
                 if done % checkpoint.every == 0 or done == target:
-                    checkpoints.save(done, state, record(done))
+                    with timer.part("checkpoint"):
+                        checkpoints.save(done, state, record(done))
+                    saved = done
+                if publisher is not None and done < target and publisher.due(done, saved == done):
+                    # A hand-over: the page is built and written in the background.
+                    with timer.part("publish"):
+                        publisher.submit(done, writer.size, target_step=target, checkpoint_step=saved)
                 if step == start or done % 10 == 0 or done == target:
                     log.info(
                         "step %d loss %.4f lr %.2e grad %.3f drop %.3f %.0f tok/s",
@@ -346,9 +474,43 @@ def train(
                         row["tokens_per_second"],
                     )
         finally:
+            failure = sys.exc_info()[1]
             checkpoints.close()
+            metrics_bytes = writer.size
             writer.close()
+            telemetry.close()
+            if publisher is not None:
+                # The final version, also when training stopped on an error: a follower sees why.
+                publisher.close(
+                    done,
+                    metrics_bytes,
+                    state="finished" if failure is None and done == target else "stopped",
+                    target_step=target,
+                    checkpoint_step=saved,
+                    message=f"{type(failure).__name__}: {failure}" if failure is not None else "",
+                )
+            if log_capture is not None:
+                release_log(log_capture)
     return rows
+
+
+def _live_publisher(run: RunConfig, run_dir: Path):
+    """The background publisher of the run page when the run asks for one (logging.publish)."""
+    if not run.logging.publish:
+        return None
+    from tokenmill.trainer.publish import LivePublisher, PublishError
+
+    try:
+        publisher = LivePublisher(
+            run_dir,
+            run.logging.publish,
+            every=run.logging.publish_every,
+            ladder=run.logging.publish_ladder,
+            refresh_seconds=run.logging.publish_refresh,
+        )
+    except PublishError as error:
+        raise ValueError(str(error)) from error
+    return publisher
 
 
 # Jitted functions by (model, optimizer, schedule, dtype, mesh): a second phase or a resumed run in the same
@@ -359,10 +521,15 @@ _COMPILED_STEPS: dict[tuple, tuple] = {}
 def compile_train_step(run: RunConfig, schedule: Schedule, mesh: jax.sharding.Mesh) -> tuple:
     """(init_state, train_step, state shardings): jitted with explicit shardings, cached per configuration.
 
-    run: resolved (`resolve_run_config`): the optimizer's settings are all given."""
+    run: resolved (`resolve_run_config`): the optimizer's settings are all given. With
+    `optimizer.state_memory: pinned_host` the optimizer state lives in the host's pinned memory between
+    steps: the step moves it to the device for the update and back (XLA overlaps the copies with the
+    forward and backward passes where the backend can).
+
+    `tokenmill model compile` lowers the returned train_step with abstract arrays (`.lower(...)`), so the
+    step it measures is this one."""
     model_cfg, opt = run.model_shape, run.optimizer
-    key = (model_cfg.model_dump_json(), opt.kind, opt.weight_decay, opt.clip_norm, opt.adam_lr, opt.beta1,
-           opt.beta2, opt.epsilon, run.compute_dtype, schedule, mesh)  # fmt: skip
+    key = (model_cfg.model_dump_json(), opt.model_dump_json(), run.compute_dtype, schedule, mesh)
     if key in _COMPILED_STEPS:
         return _COMPILED_STEPS[key]
     dtype = jnp.bfloat16 if run.compute_dtype == "bfloat16" else jnp.float32
@@ -389,10 +556,26 @@ def compile_train_step(run: RunConfig, schedule: Schedule, mesh: jax.sharding.Me
         }
 
     abstract_state = jax.eval_shape(init_state, jax.random.key(0))
-    shardings = state_shardings(abstract_state, param_shardings(abstract_params, mesh), mesh)
+    shardings = state_shardings(
+        abstract_state, param_shardings(abstract_params, mesh), mesh, optimizer_memory=opt.state_memory
+    )
+    train_step = make_train_step(
+        model_cfg, tx, schedule, dtype, opt.microbatches, grad_shardings=device_memory(shardings["params"])
+    )
+    if opt.state_memory != "device":
+        on_host, on_device = shardings["opt_state"], device_memory(shardings["opt_state"])
+
+        def step_with_state_on_host(state: dict, tokens: jax.Array, segment_ids: jax.Array) -> tuple:
+            state = {**state, "opt_state": jax.device_put(state["opt_state"], on_device)}
+            new_state, metrics = train_step(state, tokens, segment_ids)
+            return {**new_state, "opt_state": jax.device_put(new_state["opt_state"], on_host)}, metrics
+
+        step = step_with_state_on_host
+    else:
+        step = train_step
     init_fn = jax.jit(init_state, out_shardings=shardings)
     step_fn = jax.jit(
-        make_train_step(model_cfg, tx, schedule, dtype),
+        step,
         in_shardings=(shardings, batch_sharding(mesh), batch_sharding(mesh)),
         out_shardings=(shardings, None),
         donate_argnums=0,
@@ -409,20 +592,33 @@ def _restore_or_start(
     phases: list[Phase],
     phase: Phase,
     phase_index: int,
-) -> tuple[dict, int, dict]:
+    identity: dict | None = None,
+    allow_data_change: bool = False,
+    plan: MixturePlan | None = None,
+) -> tuple[dict, int, dict, list[Change]]:
     """Resume this phase, continue from an earlier phase's checkpoint, or start fresh.
 
-    Returns (state, global step to start at, the checkpoint's meta record or {})."""
+    Before a checkpoint of this run is restored, its record is compared with `identity` (run_identity):
+    a different plan, seed, tokenizer, batch or model is refused with a TrainingError naming each change,
+    unless allow_data_change; a different mesh or process count is logged. A checkpoint of another run
+    (--init-from) is checked for the model only.
+
+    Returns (state, global step to start at, the checkpoint's meta record or {}, the changes resumed
+    across)."""
     names = [p.name for p in phases]
     latest = checkpoints.latest_step()
     if latest is not None:
+        meta = checkpoints.read_meta(latest)
+        changes = _check_identity(
+            checkpoints, latest, meta, identity, allow_data_change, plan, other_run=False
+        )
         restored, meta = checkpoints.restore(latest, layout)
         ckpt_phase = meta.get("phase", phase.name)
         if ckpt_phase == phase.name:
             log.info("resuming phase %s from step %d", phase.name, latest)
-            return restored, latest, meta
+            return restored, latest, meta, changes
         if ckpt_phase in names and names.index(ckpt_phase) < phase_index:
-            return _continue(restored, ckpt_phase, latest, phase), phase.start_step, meta
+            return _continue(restored, ckpt_phase, latest, phase), phase.start_step, meta, changes
         raise TrainingError(
             f"the latest checkpoint in {checkpoints.directory} is from phase {ckpt_phase!r}, which does not "
             f"come before phase {phase.name!r}; use a new --output"
@@ -433,15 +629,70 @@ def _restore_or_start(
         step = source.latest_step()
         if step is None:
             raise TrainingError(f"--init-from {init_from}: no checkpoint in {source.directory}")
+        changes = _check_identity(
+            source, step, source.read_meta(step), identity, allow_data_change, plan, other_run=True
+        )
         restored, meta = source.restore(step, layout)
         source.close()
-        return _continue(restored, meta.get("phase", "?"), step, phase), phase.start_step, meta
+        state = _continue(restored, meta.get("phase", "?"), step, phase)
+        return state, phase.start_step, meta, changes
     if phase.start_step > 0:
         raise TrainingError(
             f"phase {phase.name!r} starts at step {phase.start_step} and continues from the previous phase: "
             f"train it into the same --output as that phase, or pass --init-from RUN_DIR"
         )
-    return fresh(), 0, {}
+    return fresh(), 0, {}, []
+
+
+def _check_identity(
+    checkpoints: Checkpointer,
+    step: int,
+    meta: dict,
+    identity: dict | None,
+    allow_data_change: bool,
+    plan: MixturePlan | None,
+    other_run: bool,
+) -> list[Change]:
+    """The changes between a checkpoint's record and this run (see `_restore_or_start`); raises
+    TrainingError for a refused one."""
+    if identity is None:
+        return []
+    where = checkpoints.path(step)
+    if "seed" not in meta:
+        log.warning("%s was saved before checkpoints recorded their plan, seed and model: not checked", where)
+        return []
+    saved_plan = _recorded_plan(checkpoints.directory.parent, meta.get("plan_sha256"))
+    current_plan = plan.to_json() if plan is not None else None
+    refused, allowed = identity_changes(meta, identity, saved_plan, current_plan)
+    if other_run:
+        # Another run's checkpoint: its data and seed are its own; only the model must be this one.
+        allowed += [change for change in refused if change.what != "model"]
+        refused = [change for change in refused if change.what == "model"]
+    for change in allowed:
+        log.info("resuming %s across a change that leaves the data and model as they were: %s", where, change)
+    if refused and not allow_data_change:
+        raise TrainingError(
+            f"{where} was trained with a different configuration: {'; '.join(map(str, refused))}. "
+            f"Resuming would train the steps after {step} on other data or another model than the steps "
+            "before. Use a new --output, restore the earlier settings, or pass --allow-data-change to "
+            "continue and record the change in config.json's history"
+        )
+    for change in refused:
+        log.warning("resuming %s across a change (--allow-data-change): %s", where, change)
+    return refused + allowed
+
+
+def _recorded_plan(run_dir: Path, sha256: str | None) -> dict | None:
+    """The plan of that hash among those the run's config.json records (to name what changed in it)."""
+    path = run_dir / CONFIG
+    if sha256 is None or not path.exists():
+        return None
+    try:
+        record = read_run_record(str(path))
+    except (OSError, FormatError):
+        return None
+    candidates = [entry.plan for entry in reversed(record.history or [])] + [record.plan]
+    return next((p for p in candidates if p is not None and plan_sha256_of(p) == sha256), None)
 
 
 def _continue(state: dict, from_phase: str, from_step: int, phase: Phase) -> dict:

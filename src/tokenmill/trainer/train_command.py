@@ -68,6 +68,10 @@ ALIASES = {
     "checkpoint.init_from": "--init-from",
     "logging.peak_flops": "--peak-flops",
     "logging.wandb_project": "--wandb-project",
+    "logging.publish": "--publish",
+    "logging.publish_every": "--publish-every",
+    "logging.publish_refresh": "--publish-refresh",
+    "logging.publish_ladder": "--publish-ladder",
 }
 # Where the help puts each part of the configuration.
 GROUPS = {
@@ -125,6 +129,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for path, info in _settings(RunConfig):
         section = path.split(".")[0] if "." in path else ""
         _add_flag(groups[section], path, info)
+    # Where this process stands in a multi-host job: facts of one launch, not of the run, so flags only.
+    hosts = parser.add_argument_group(
+        "several hosts",
+        "Every process runs the same command; each fact comes from its flag, else from "
+        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, else from the scheduler (SLURM's srun, "
+        "a JobSet's completion index). Any of them implies --distributed. `tokenmill launch` writes the job.",
+    )
+    hosts.add_argument("--coordinator", metavar="HOST[:PORT]", help="process 0's address (port default 8476)")
+    hosts.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
+    hosts.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0..N-1")
+    run.add_argument(
+        "--allow-data-change",
+        action="store_true",
+        help="resume even though the plan, seed, tokenizer, batch or model differ from the checkpoint's "
+        "(refused otherwise); config.json's history records the change and the step it took effect",
+    )
     parser.set_defaults(handler=_train)
 
 
@@ -212,6 +232,7 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
 
 def _train(args: argparse.Namespace) -> int:
     from tokenmill.trainer.data import SyntheticSource, check_source
+    from tokenmill.trainer.launch import DistributedSetupError
     from tokenmill.trainer.run_config import RunConfigError, resolve_run_config
     from tokenmill.trainer.sharding import maybe_initialize_distributed
     from tokenmill.trainer.train import Phase, TrainingError, phases_from_plan, train
@@ -224,7 +245,12 @@ def _train(args: argparse.Namespace) -> int:
     data = run.data
     if not data.synthetic and not (data.mixture or data.plan):
         raise UsageError("give --mixture (or --plan) to train on token shards, or --synthetic")
-    maybe_initialize_distributed(force=run.mesh.distributed)
+    try:
+        maybe_initialize_distributed(
+            run.mesh.distributed, args.coordinator, args.num_processes, args.process_id
+        )
+    except DistributedSetupError as error:
+        raise UsageError(str(error)) from error
 
     import jax
 
@@ -264,7 +290,7 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from error
 
     try:
-        rows = train(run, source, phases, plan)
+        rows = train(run, source, phases, plan, allow_data_change=args.allow_data_change)
     except ValueError as error:
         raise UsageError(str(error)) from error
     except TrainingError as error:

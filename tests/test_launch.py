@@ -1,0 +1,233 @@
+"""`tokenmill launch`: the JobSet manifest and the SLURM script written from one run configuration, checked
+by parsing them as their schedulers would (the JobSet schema's required fields, Kubernetes' naming and
+Indexed-Job rules, `bash -n`, #SBATCH lines), and by running the script against a stand-in `srun`."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from test_trainer_cli import TINY
+
+from tokenmill.cli import main
+from tokenmill.trainer.launch import ProcessGroup, process_group
+from tokenmill.trainer.run_config import build_run_config, read_run_config_file
+
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+@pytest.fixture
+def run_config(tmp_path: Path) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"output: runs/tiny-Multi_Host\nmodel: {TINY}\nseed: 7\n"
+        "data: {synthetic: true, batch_size: 32, seq_len: 64}\n"
+        "mesh: {data: 1, fsdp: -1, expert: 2}\nschedule: {steps: 100}\n"
+    )
+    return path
+
+
+def settings(path: Path) -> dict:
+    return build_run_config(read_run_config_file(str(path)), {}, str(path)).model_dump(mode="json")
+
+
+def pod_environment(container: dict, annotations: dict[str, str]) -> dict[str, str]:
+    """The container's environment as the kubelet gives it: values, and annotations by the downward API."""
+    env = {}
+    for variable in container["env"]:
+        if "value" in variable:
+            env[variable["name"]] = variable["value"]
+        else:
+            path = variable["valueFrom"]["fieldRef"]["fieldPath"]
+            key = re.fullmatch(r"metadata\.annotations\['(.+)'\]", path).group(1)
+            env[variable["name"]] = annotations[key]
+    return env
+
+
+def test_jobset_manifest(run_config, tmp_path, capsys):
+    out = tmp_path / "jobset.yaml"
+    argv = ["launch", "jobset", "--config", str(run_config), "--nodes", "4", "--devices-per-node", "4",
+            "--processes-per-node", "2", "--image", "registry.example/tokenmill:1", "--volume",
+            "runs:/opt/tokenmill/runs", "--port", "9123", "-o", str(out),
+            "--", "--peak-flops", "1e15"]  # fmt: skip
+    assert main(argv) == 0
+    config_map, jobset = yaml.safe_load_all(out.read_text())
+
+    # The run configuration travels in the ConfigMap, model inlined: the same run as the file.
+    assert (config_map["apiVersion"], config_map["kind"]) == ("v1", "ConfigMap")
+    frozen = tmp_path / "frozen.yaml"
+    frozen.write_text(config_map["data"]["run.yaml"])
+    assert settings(frozen) == settings(run_config)
+
+    # The JobSet schema's required fields, and the rules Kubernetes enforces on Jobs and names.
+    assert (jobset["apiVersion"], jobset["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+    name = jobset["metadata"]["name"]
+    assert name == "tiny-multi-host" and DNS_LABEL.match(name)
+    (workers,) = jobset["spec"]["replicatedJobs"]
+    assert DNS_LABEL.match(workers["name"]) and workers["replicas"] == 1
+    job = workers["template"]["spec"]
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"] == 8
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] in ("Never", "OnFailure")  # a Job's pods may not restart Always
+    (container,) = pod["containers"]
+    assert container["name"] and container["image"] == "registry.example/tokenmill:1"
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}  # 4 devices over 2 processes a node
+    assert container["command"] == ["tokenmill", "train", "--config", "/etc/tokenmill/run.yaml",
+                                    "--distributed", "--peak-flops", "1e15"]  # fmt: skip
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    for mount in container["volumeMounts"]:
+        assert mount["name"] in volumes
+    assert volumes["run-config"]["configMap"]["name"] == config_map["metadata"]["name"]
+    assert {"name": "coordinator", "containerPort": 9123} in container["ports"]
+
+    # Every pod finds its place: JobSet names pod I of job J of replicated job R `NAME-R-J-I`, under a
+    # headless service named after the JobSet; the completion index reaches the pod as an annotation.
+    hostnames = [f"{name}-{workers['name']}-0-{index}" for index in range(8)]
+    assert all(len(hostname) <= 63 and DNS_LABEL.match(hostname) for hostname in hostnames)
+    groups = [
+        process_group(
+            environ=pod_environment(container, {"batch.kubernetes.io/job-completion-index": str(i)})
+        )
+        for i in range(8)
+    ]
+    assert groups == [
+        ProcessGroup(
+            f"{hostnames[0]}.{name}:9123",
+            8,
+            i,
+            ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
+        )  # fmt: skip
+        for i in range(8)
+    ]
+    assert "wrote" not in capsys.readouterr().out
+
+
+def test_jobset_needs_the_run_folder_on_a_shared_volume(run_config, capsys):
+    argv = ["launch", "jobset", "--config", str(run_config), "--nodes", "2", "--image", "x"]
+    assert main(argv) == 2
+    assert "the run folder /opt/tokenmill/runs/tiny-Multi_Host is on no --volume" in capsys.readouterr().err
+    assert main([*argv, "--volume", "runs:/opt/tokenmill/runs/other"]) == 2
+    assert main([*argv, "--volume", "runs:/opt/tokenmill/runs"]) == 0
+
+
+def sbatch_options(script: str) -> dict[str, str]:
+    options = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH"):
+            flag, _, value = line.removeprefix("#SBATCH ").partition("=")
+            options[flag] = value
+    return options
+
+
+def test_slurm_script(run_config, tmp_path):
+    script_path = tmp_path / "job.sbatch"
+    argv = ["launch", "slurm", "--config", str(run_config), "--nodes", "2", "--devices-per-node", "8",
+            "--partition", "gpu", "--time", "1-00:00:00", "--setup", "export MARK='set up'",
+            "-o", str(script_path), "--", "--peak-flops", "1e15"]  # fmt: skip
+    assert main(argv) == 0
+    script = script_path.read_text()
+    subprocess.run(["bash", "-n", str(script_path)], check=True)
+    assert sbatch_options(script) == {
+        "--job-name": "tiny-multi-host",
+        "--nodes": "2",
+        "--ntasks-per-node": "1",
+        "--gpus-per-node": "8",
+        "--partition": "gpu",
+        "--time": "1-00:00:00",
+        "--exclusive": "",
+        "--output": "tiny-multi-host-%j.out",
+    }
+    # All #SBATCH lines come before the first command, or sbatch ignores them.
+    lines = [line for line in script.splitlines() if line and not line.startswith("#")]
+    assert script.index(lines[0]) > script.rindex("#SBATCH")
+
+    # Run it as sbatch would on the first node, with an `srun` that records what it was asked to start.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(
+        '#!/bin/bash\nprintf "%s\\n" "$@" > srun.args\necho "$JAX_COORDINATOR_PORT $MARK" > srun.env\n'
+    )
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    workdir = tmp_path / "submit"
+    workdir.mkdir()
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "77",
+        "SLURM_SUBMIT_DIR": str(workdir),
+    }
+    subprocess.run(["bash", str(script_path)], env=env, check=True, cwd=tmp_path)
+    args = (workdir / "srun.args").read_text().splitlines()
+    frozen = "runs/tiny-Multi_Host/launch-77.yaml"
+    assert args == ["--kill-on-bad-exit=1", "tokenmill", "train", "--config", frozen, "--distributed",
+                    "--peak-flops", "1e15"]  # fmt: skip
+    assert (workdir / "srun.env").read_text() == "8476 set up\n"
+    assert settings(workdir / frozen) == settings(run_config)
+
+    # Each task srun starts finds its place from SLURM's variables.
+    tasks = [
+        process_group(
+            environ={
+                "SLURM_JOB_ID": "77",
+                "SLURM_JOB_NODELIST": "gpu[12-13]",
+                "SLURM_NTASKS": "2",
+                "SLURM_PROCID": str(i),
+                "JAX_COORDINATOR_PORT": "8476",
+            }
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    assert [(t.coordinator, t.num_processes, t.process_id) for t in tasks] == [
+        ("gpu12:8476", 2, 0),
+        ("gpu12:8476", 2, 1),
+    ]
+
+
+def test_slurm_several_processes_per_node_split_the_gpus(run_config, capsys):
+    argv = ["launch", "slurm", "--config", str(run_config), "--nodes", "2", "--devices-per-node", "8"]
+    assert main([*argv, "--processes-per-node", "4"]) == 0
+    options = sbatch_options(capsys.readouterr().out)
+    assert options["--ntasks-per-node"] == "4" and options["--gpus-per-task"] == "2"
+    assert "--gpus-per-node" not in options
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            "mesh: {data: 1, fsdp: 3, expert: 2}\n",
+            "the mesh data=1, fsdp=3, expert=2 does not fit 16 devices",
+        ),
+        ("mesh: {data: 1, fsdp: -1, expert: 3}\n", "does not fit 16 devices (2 nodes x 8)"),
+        ("data: {synthetic: true, batch_size: 24}\n", "batch size 24 is not divisible by the 16 devices"),
+        ("mesh: {data: 1, fsdp: -1, expert: 2, colour: red}\n", "colour"),
+    ],
+)
+def test_launch_refuses_what_the_devices_cannot_run(run_config, capsys, change, message):
+    text = run_config.read_text()
+    section = change.split(":")[0]
+    run_config.write_text(
+        "\n".join(line for line in text.splitlines() if not line.startswith(section)) + "\n" + change
+    )
+    assert (
+        main(["launch", "slurm", "--config", str(run_config), "--nodes", "2", "--devices-per-node", "8"]) == 2
+    )
+    assert message in capsys.readouterr().err
+
+
+def test_launch_quotes_what_it_writes(run_config, capsys):
+    assert (
+        main(
+            ["launch", "slurm", "--config", str(run_config), "--nodes", "1", "--", "--wandb-project", "a b;c"]
+        )
+        == 0
+    )
+    srun = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("srun "))
+    assert shlex.split(srun)[-2:] == ["--wandb-project", "a b;c"]

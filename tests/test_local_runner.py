@@ -1,0 +1,92 @@
+"""The local runner cuts each stage's input into bundles of bounded size (pipelines/local_runner.py)."""
+
+from __future__ import annotations
+
+import apache_beam as beam
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+from apache_beam.testing.util import assert_that, equal_to
+
+from tokenmill.pipelines.local_runner import BoundedBundleFnApiRunner
+
+#: Elements of about 200 encoded bytes: a 4 KiB bound holds about 20 of them.
+PAYLOAD = "x" * 190
+MAX_BUNDLE_BYTES = 4096
+
+
+class BundleSizes(beam.DoFn):
+    """Emits the number of elements of each bundle it saw, at the end of the bundle."""
+
+    def start_bundle(self):
+        self.seen = 0
+
+    def process(self, element):
+        self.seen += 1
+
+    def finish_bundle(self):
+        from apache_beam.transforms.window import GlobalWindow
+        from apache_beam.utils.windowed_value import WindowedValue
+
+        if self.seen:
+            yield WindowedValue(self.seen, GlobalWindow().max_timestamp(), [GlobalWindow()])
+
+
+def _run(runner, elements: int, keys: int):
+    """Bundle sizes after a Create and after a GroupByKey, and the grouped result."""
+    options = PipelineOptions(["--direct_num_workers=2", "--direct_running_mode=multi_threading"])
+    captured = {}
+    with beam.Pipeline(runner=runner, options=options) as pipeline:
+        values = pipeline | beam.Create([(index % keys, f"{index}{PAYLOAD}") for index in range(elements)])
+        captured["read"] = (
+            values | "SizesRead" >> beam.ParDo(BundleSizes()) | "ListRead" >> beam.combiners.ToList()
+        )
+        grouped = values | beam.GroupByKey() | beam.MapTuple(lambda key, group: (key, len(list(group))))
+        captured["grouped"] = (
+            grouped | "SizesGrouped" >> beam.ParDo(BundleSizes()) | "ListGrouped" >> (beam.combiners.ToList())
+        )
+        assert_that(grouped, equal_to([(key, elements // keys) for key in range(keys)]), label="Groups")
+        for name, sizes in captured.items():
+            assert_that(sizes, lambda lists, name=name: _record(name, lists), label=f"Record{name}")
+    return dict(RECORDED)
+
+
+RECORDED: dict[str, list[int]] = {}
+
+
+def _record(name: str, lists) -> None:
+    (sizes,) = lists
+    RECORDED[name] = sorted(sizes)
+
+
+@pytest.fixture(autouse=True)
+def _clear():
+    RECORDED.clear()
+
+
+def test_every_bundle_stays_under_the_bound_and_the_result_is_beams():
+    sizes = _run(BoundedBundleFnApiRunner(max_bundle_bytes=MAX_BUNDLE_BYTES), elements=3000, keys=1500)
+    # 3,000 elements of ~200 bytes: about 600 KB, so about 150 bundles of at most ~20 elements each.
+    assert sum(sizes["read"]) == 3000 and max(sizes["read"]) <= 25 and len(sizes["read"]) >= 100
+    # After the GroupByKey: 1,500 keys of two values, cut between keys into bounded bundles too.
+    assert sum(sizes["grouped"]) == 1500 and max(sizes["grouped"]) <= GROUPED_BOUND
+
+
+#: A grouped element here (a key and two values) is about 420 bytes: about 10 under the bound.
+GROUPED_BOUND = 12
+
+
+def test_beams_own_runner_sends_each_worker_its_whole_share():
+    """What the bound is for: Beam's runner gives each of the 2 workers half of the stage in one bundle."""
+    sizes = _run(FnApiRunner(), elements=3000, keys=1500)
+    assert max(sizes["read"]) >= 1500
+
+
+def test_a_small_stage_still_spreads_over_every_worker_and_empty_input_runs():
+    sizes = _run(BoundedBundleFnApiRunner(max_bundle_bytes=MAX_BUNDLE_BYTES), elements=4, keys=2)
+    assert sum(sizes["read"]) == 4 and sizes["grouped"] and sum(sizes["grouped"]) == 2
+
+
+def test_the_bound_must_be_positive():
+    with pytest.raises(ValueError, match="max_bundle_bytes"):
+        BoundedBundleFnApiRunner(max_bundle_bytes=0)
