@@ -78,6 +78,8 @@ def test_layer_groups_follow_the_attention_schedule():
                 assert model_cfg.layer_kind(layer) == model_cfg.layer_kind(group.start + position)
 
 
+# Slow suite (`make test-slow`): the default suite keeps the cheaper checks of the same code.
+@pytest.mark.slow
 def test_stacked_layout_and_init_do_not_depend_on_the_grouping():
     cfg = scanned_config()
     params = jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(0))
@@ -149,7 +151,14 @@ def test_blocked_attention_and_loss_give_the_same_loss_and_gradients():
     )
 
 
-@pytest.mark.parametrize("policy", ["full", "dots_saveable", "offload"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "full",
+        pytest.param("dots_saveable", marks=pytest.mark.slow),
+        pytest.param("offload", marks=pytest.mark.slow),
+    ],
+)
 def test_every_remat_policy_gives_the_same_gradients(policy):
     cfg = scanned_config()
     params = jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(4))
@@ -165,6 +174,8 @@ def test_every_remat_policy_gives_the_same_gradients(policy):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+# Slow suite (`make test-slow`): the default suite keeps the cheaper checks of the same code.
+@pytest.mark.slow
 def test_optimizer_state_in_pinned_host_memory_trains_like_device_memory():
     from tokenmill.trainer.run_config import RunConfig, resolve_run_config
     from tokenmill.trainer.sharding import make_mesh

@@ -82,6 +82,8 @@ def train_together_and_alone(together: Path, alone: Path) -> list[str]:
     )
 
 
+# Slow suite (`make test-slow`): the default suite keeps the cheaper checks of the same code.
+@pytest.mark.slow
 def test_two_processes_train_like_one_with_the_same_devices(tmp_path):
     together, alone = tmp_path / "together", tmp_path / "alone"
     logs = train_together_and_alone(together, alone)
