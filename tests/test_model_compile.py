@@ -97,6 +97,8 @@ def test_stacked_layout_and_init_do_not_depend_on_the_grouping():
         model.layer_params(params, cfg, cfg.n_layers)
 
 
+# Slow suite (`make test-slow`): the default suite keeps the cheaper checks of the same code.
+@pytest.mark.slow
 def test_scan_gives_the_loss_and_gradients_of_an_unrolled_loop():
     cfg = scanned_config()
     params = jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(1))
@@ -125,6 +127,8 @@ def test_scan_gives_the_loss_and_gradients_of_an_unrolled_loop():
         np.testing.assert_array_equal(stats.load[layer], layer_stats.load)
 
 
+# Slow suite (`make test-slow`): the default suite keeps the cheaper checks of the same code.
+@pytest.mark.slow
 def test_blocked_attention_and_loss_give_the_same_loss_and_gradients():
     cfg = scanned_config()
     params = jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(6))
@@ -154,7 +158,7 @@ def test_blocked_attention_and_loss_give_the_same_loss_and_gradients():
 @pytest.mark.parametrize(
     "policy",
     [
-        "full",
+        pytest.param("full", marks=pytest.mark.slow),
         pytest.param("dots_saveable", marks=pytest.mark.slow),
         pytest.param("offload", marks=pytest.mark.slow),
     ],

@@ -222,7 +222,8 @@ def test_weights_and_biases_gets_the_metrics_when_installed(tmp_path, monkeypatc
     assert {"loss", "lr", "mfu", "router_bias_norm/layer0", "expert_load_max/layer1"} <= set(row)
 
 
-@pytest.mark.parametrize("balancing", ["bias", pytest.param("none", marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test-slow
+@pytest.mark.parametrize("balancing", ["bias", "none"])
 def test_microbatches_equal_one_pass(balancing):
     """Gradient accumulation over 2 microbatches is the one-pass step: loss, gradient norm, the router load
     behind the bias update, and the parameters after the update agree to float rounding (fp32)."""
