@@ -18,11 +18,11 @@ not with their length; no shuffle.
 from __future__ import annotations
 
 from tokenmill.domains.model import DomainModel, load_domain_model
-from tokenmill.filters.base import DocumentStep, Removal
-from tokenmill.filters.models import SharedModel
+from tokenmill.filters.base import Removal
+from tokenmill.filters.models import SharedModel, SharedModelStep
 
 
-class DomainClusters(DocumentStep):
+class DomainClusters(SharedModelStep):
     stage = "domain_clusters"
 
     def __init__(self, model: str):
@@ -30,12 +30,6 @@ class DomainClusters(DocumentStep):
         self._shared_model = SharedModel(load_domain_model, model)
         self._model: DomainModel | None = None
         self.domain_ids = self._shared_model.get().domain_ids  # fail now, before any pipeline starts
-
-    def setup(self) -> None:
-        self._model = self._shared_model.get()
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_model": None}  # a copy finds the model in its own process
 
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         if self._model is None:

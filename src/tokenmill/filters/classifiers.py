@@ -46,9 +46,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill import storage
 from tokenmill.errors import FormatError
-from tokenmill.filters.base import DocumentStep, Removal
+from tokenmill.filters.base import Removal
 from tokenmill.filters.minhash import MinHasher, jaccard
-from tokenmill.filters.models import SharedModel
+from tokenmill.filters.models import SharedModel, SharedModelStep
 from tokenmill.formats.cards import (
     ALL_DOMAINS,
     CALIBRATION,
@@ -663,7 +663,7 @@ def _model_file(model: str) -> str:
     return model if model.endswith(".bin") else storage.join(model, MODEL_FILE)
 
 
-class DomainClassifier(DocumentStep):
+class DomainClassifier(SharedModelStep):
     """Label `domain` and `domain_score`; below `threshold` (or for empty text) the domain is `other`."""
 
     stage = "domain_classifier"
@@ -697,12 +697,6 @@ class DomainClassifier(DocumentStep):
                 )
         self.labels = labels
 
-    def setup(self) -> None:
-        self._model = self._shared_model.get()
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_model": None}  # a copy finds the model in its own process
-
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         if self._model is None:
             self.setup()
@@ -720,7 +714,7 @@ class DomainClassifier(DocumentStep):
         return [None] * len(documents)
 
 
-class QualityClassifier(DocumentStep):
+class QualityClassifier(SharedModelStep):
     """Label `quality_score` (probability of good text) and `quality` (the domain-calibrated bucket 0..4).
 
     Runs after the domain classifier, whose domain picks the cuts; empty text scores 0 (bucket 0).
@@ -751,12 +745,6 @@ class QualityClassifier(DocumentStep):
             )
         self.cuts = calibration.cuts
         self.positive_label = calibration.positive_label
-
-    def setup(self) -> None:
-        self._model = self._shared_model.get()
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_model": None}  # a copy finds the model in its own process
 
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         if self._model is None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from tokenmill.filters.base import DocumentStep
+
 Model = TypeVar("Model")
 
 
@@ -57,3 +59,17 @@ class SharedModel(Generic[Model]):
     def __getstate__(self) -> dict:
         # The loaded model never travels: a copy loads (or finds) it in its own process.
         return {"loader": self.loader, "path": self.path, "_handle": self._handle, "_held": None}
+
+
+class SharedModelStep(DocumentStep):
+    """A step that applies a model held through `self._shared_model` (a SharedModel): `setup` takes the
+    worker process's copy, and a pickled step travels without it, finding the model again in its process."""
+
+    _shared_model: SharedModel
+    _model: Any = None
+
+    def setup(self) -> None:
+        self._model = self._shared_model.get()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_model": None}
