@@ -302,3 +302,23 @@ def test_model_compile_from_a_plain_shell(tmp_path):
     for field in ("bytes_per_device", "xla_flops_per_step", "model_flops_per_step", "compile_seconds"):
         assert field in text
     assert "DOES NOT FIT" in text and "over 0 GB" in text
+
+
+@pytest.mark.slow  # make test-slow: about a minute on 2 cores
+def test_the_reference_hero_fits_one_rack():
+    """The 535B's whole train step for one rack (64 devices, fsdp 8 x expert 8, 1,024 x 4,096 tokens in 16
+    microbatches, MuonH state on pinned host, as configs/runs/marin-535b-a23b.yaml trains it) compiles and
+    fits a GB200's 186 GB per device; XLA's FLOPs agree with the model's count of what the step runs."""
+    env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    command = [sys.executable, "-m", "tokenmill", "model", "compile", "configs/models/marin-535b-a23b.yaml",
+               "--devices", "64", "--mesh", "fsdp=8,expert=8", "--batch-size", "1024", "--seq-len", "4096",
+               "--microbatches", "16", "--optimizer-state", "pinned_host", "--json"]  # fmt: skip
+    repo = MODELS.parents[1]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, cwd=repo)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    memory = report["bytes_per_device"]
+    assert report["fits"] and memory["total"] < 186e9, memory
+    assert 39e9 < memory["host"] < 42e9  # MuonH's state of the parameters' shards, on the host
+    assert report["optimizer"] == "muonh" and report["dispatch"] == "expert_parallel/capacity"
+    assert report["flops_agree"]

@@ -16,7 +16,13 @@ import pytest
 
 from tokenmill.trainer.config import load_model_config
 from tokenmill.trainer.heuristic import AUG_REFIT, MAY_RECIPE, is_marin_family, warmup_steps_for
-from tokenmill.trainer.optim import Schedule, make_optimizer, optimizer_groups, orthogonalise
+from tokenmill.trainer.optim import (
+    LayerwiseOptimizer,
+    Schedule,
+    make_optimizer,
+    optimizer_groups,
+    orthogonalise,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "configs" / "models"
@@ -146,7 +152,7 @@ def test_parameter_groups_of_the_tiny_marin_model():
 
 def test_muonh_matches_an_independent_reference_and_stays_on_the_hyperball():
     params = params_like_marin()
-    tx = make_optimizer(params, "muonh", weight_decay=0.0, clip_norm=None)
+    tx = make_optimizer("muonh", weight_decay=0.0, clip_norm=None)
     state = tx.init(params)
     lrs = [0.02, 0.05, 0.01, 0.03]
     history = []
@@ -179,7 +185,7 @@ def test_muonh_matches_an_independent_reference_and_stays_on_the_hyperball():
 
 def test_muonh_step_is_a_fixed_fraction_of_the_norm_whatever_the_gradients_scale():
     params = {"w": random((32, 16), 7)}
-    tx = make_optimizer(params, "muonh", weight_decay=0.0, clip_norm=None)
+    tx = make_optimizer("muonh", weight_decay=0.0, clip_norm=None)
     steps = []
     for scale in (1e-3, 1.0, 1e6):  # no clipping, and none needed: the step does not see the scale
         grads = {"w": random((32, 16), 8) * scale}
@@ -197,7 +203,7 @@ def test_muonh_step_is_a_fixed_fraction_of_the_norm_whatever_the_gradients_scale
 def test_adam_group_rate_is_its_own():
     params = {"embed": random((8, 4), 9), "w": random((4, 4), 10)}
     grads = jax.tree.map(lambda x: random(x.shape, 11), params)
-    tx = make_optimizer(params, "muonh", weight_decay=0.0, clip_norm=None, adam_lr_ratio=3 / 13)
+    tx = make_optimizer("muonh", weight_decay=0.0, clip_norm=None, adam_lr_ratio=3 / 13)
     updates, _ = tx.update(grads, tx.init(params), params, learning_rate=0.013)
     # Adam's first step is lr x sign(g) (bias-corrected m / sqrt(v) = g / |g|, eps aside).
     np.testing.assert_allclose(updates["embed"], -0.013 * 3 / 13 * jnp.sign(grads["embed"]), rtol=1e-4)
@@ -207,7 +213,7 @@ def test_adamw_and_muon_take_the_rate_at_update_time():
     params = {"w": random((8, 4), 12), "norm": jnp.ones(4)}
     grads = jax.tree.map(lambda x: random(x.shape, 13), params)
     for kind in ("adamw", "muon"):
-        tx = make_optimizer(params, kind, weight_decay=0.0)
+        tx = make_optimizer(kind, weight_decay=0.0)
         unit, _ = tx.update(grads, tx.init(params), params)
         scaled, _ = tx.update(grads, tx.init(params), params, learning_rate=0.25)
         np.testing.assert_allclose(scaled["w"], 0.25 * unit["w"], rtol=1e-6)
@@ -282,3 +288,57 @@ def test_linear_schedule_with_one_percent_warmup_down_to_five_percent():
     # The phase boundary (midtraining from step 312,192) is not a kink: one line from warmup to the end.
     before, at, after = (float(schedule(s)) for s in (312_191, 312_192, 312_193))
     assert before - at == pytest.approx(at - after, rel=1e-3)
+
+
+# -- the train step's layer-by-layer update ----------------------------------------------------------------
+
+
+def params_with_two_groups() -> dict:
+    """Two layer groups as the model stacks them: a body of two positions repeated 3 times, then one layer."""
+
+    def position(seed: int, repeats: int) -> dict:
+        layer = params_like_marin()["layers"][0][0]
+        return jax.tree.map(
+            lambda leaf: jnp.concatenate([leaf * (1 + 0.1 * (seed + r)) for r in range(repeats)]), layer
+        )
+
+    start = params_like_marin()
+    return {**start, "layers": [[position(1, 3), position(2, 3)], [position(3, 1)]]}
+
+
+@pytest.mark.parametrize(
+    ("kind", "clip_norm"), [("muonh", None), ("adamw", 1.0), ("adamw", 1e9), ("muon", 1.0)]
+)
+def test_layer_by_layer_update_equals_the_rule_on_the_whole_tree(kind, clip_norm):
+    """LayerwiseOptimizer runs the rule one slice of each layer group at a time under a loop, with clipping
+    and the accumulation's 1/N applied as each slice is read: three steps land where the rule applied to
+    the whole tree (with optax's own global-norm clipping) lands, clipped (adamw 1.0) or not."""
+    params = params_with_two_groups()
+    whole_rule = make_optimizer(kind, weight_decay=0.1, clip_norm=clip_norm)
+    layerwise = LayerwiseOptimizer(make_optimizer(kind, weight_decay=0.1, clip_norm=None), clip_norm)
+    whole, state = params, whole_rule.init(params)
+    by_slice, slice_state = params, layerwise.init(params)
+    assert jax.tree.leaves(slice_state["layers"][0])[0].shape[0] == 3  # every leaf stacked, counts too
+    apply = jax.jit(layerwise.apply)
+    for step, lr in enumerate([0.02, 0.05, 0.01]):
+        grads = jax.tree.map(lambda x, s=step: random(x.shape, 200 + s) * 4.0, params)
+        updates, state = jax.jit(whole_rule.update)(grads, state, whole, learning_rate=lr)
+        whole = jax.tree.map(lambda p, u: p + u, whole, updates)
+        # The sum of two microbatches' gradients and a scale of 1/2: the same mean gradient.
+        doubled = jax.tree.map(lambda g: 2.0 * g, grads)
+        by_slice, slice_state, grad_norm = apply(doubled, slice_state, by_slice, lr, 0.5)
+        assert float(grad_norm) == pytest.approx(float(optax_norm(grads)), rel=1e-5)
+    for path, a, b in zip(paths(whole), jax.tree.leaves(by_slice), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=path)
+    moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(params)))
+    assert moved > 1e-3
+
+
+def optax_norm(tree) -> jax.Array:
+    import optax
+
+    return optax.tree.norm(tree)
+
+
+def paths(tree) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]

@@ -15,13 +15,13 @@ from test_trainer_cli import small_plan
 
 from tokenmill.trainer.config import ModelConfig, MoEConfig
 from tokenmill.trainer.data import Batch, SyntheticSource, check_source, segments_from_eos
-from tokenmill.trainer.optim import Schedule, make_optimizer
+from tokenmill.trainer.optim import LayerwiseOptimizer, Schedule, make_optimizer
 from tokenmill.trainer.run_config import RunConfig, set_dotted
 from tokenmill.trainer.train import Phase, TrainingError, make_schedule, phases_from_plan, train
 
 METRIC_KEYS = {
     "step", "phase", "loss", "lr", "tokens", "tokens_per_second", "flops", "mfu", "grad_norm", "param_norm",
-    "router_bias_norm", "expert_load", "drop_fraction", "time",
+    "router_bias_norm", "expert_imbalance", "expert_load", "drop_fraction", "time",
 }  # fmt: skip
 
 
@@ -63,6 +63,13 @@ def test_loss_falls_quickly(tmp_path):
     assert row["tokens"] == 60 * 4 * 32 and row["flops"] > 0 and 0 < row["mfu"]
     assert len(row["router_bias_norm"]) == 2 and len(row["expert_load"]) == 2
     assert all(abs(sum(layer) - 1) < 1e-3 for layer in row["expert_load"])
+    # The whole per-expert load at the first and last step (and every logging.expert_load_every = 100);
+    # every row has each layer's imbalance, the busiest expert's share x the number of experts.
+    assert [r["step"] for r in written if "expert_load" in r] == [0, 59]
+    for r in (written[0], written[-1]):
+        expected = [max(layer) * len(layer) / sum(layer) for layer in r["expert_load"]]
+        np.testing.assert_allclose(r["expert_imbalance"], expected, rtol=1e-3)
+    assert all(len(r["expert_imbalance"]) == 2 and min(r["expert_imbalance"]) >= 1.0 for r in written)
     assert 0 <= row["drop_fraction"] < 1
     config_json = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config_json["model"]["d_model"] == 32 and config_json["schedule"]["total_steps"] == 60
@@ -186,7 +193,7 @@ def test_muon_orthogonalises_matrices_and_leaves_the_rest_to_adam():
         "norm": jnp.ones((8,)),
     }
     grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(2), x.shape), params)
-    tx = make_optimizer(params, "muon", weight_decay=0.0, clip_norm=1e9)
+    tx = make_optimizer("muon", weight_decay=0.0, clip_norm=1e9)
     updates, _ = tx.update(grads, tx.init(params), params)
     assert jax.tree.structure(updates) == jax.tree.structure(params)
     # Muon's update of a matrix has (near-)equal singular values; each expert's matrix on its own.
@@ -219,7 +226,7 @@ def test_weights_and_biases_gets_the_metrics_when_installed(tmp_path, monkeypatc
     train(cfg, source(model_cfg), [Phase("pretraining", 0, 60)])  # the loss test's compile
     assert [step for step, _ in logged[:2]] == [0, 1] and logged[-1] == "finished"
     row = logged[0][1]
-    assert {"loss", "lr", "mfu", "router_bias_norm/layer0", "expert_load_max/layer1"} <= set(row)
+    assert {"loss", "lr", "mfu", "router_bias_norm/layer0", "expert_imbalance/layer1"} <= set(row)
 
 
 @pytest.mark.slow  # make test-slow
@@ -232,7 +239,7 @@ def test_microbatches_equal_one_pass(balancing):
 
     model_cfg = tiny(dispatch="dropless", balancing=balancing)
     params = model.init_params(jax.random.key(0), model_cfg)
-    tx = make_optimizer(params, "adamw", weight_decay=0.1, clip_norm=1.0)
+    tx = LayerwiseOptimizer(make_optimizer("adamw", weight_decay=0.1, clip_norm=None), clip_norm=1.0)
     schedule = Schedule("wsd", 3e-3, 10, 0, 2)
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
              "router_bias": model.init_router_bias(model_cfg)}  # fmt: skip

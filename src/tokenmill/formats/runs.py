@@ -42,6 +42,9 @@ class MetricsRow(FormatModel):
     param_norm: float | None = None
     router_bias_norm: list[float] | None = None  # one per MoE layer
     expert_load: list[list[float]] | None = None  # per MoE layer, per expert: fraction of routed tokens
+    # (written every logging.expert_load_every steps); per MoE layer, the busiest expert's fraction x the
+    # number of experts (every row):
+    expert_imbalance: list[float] | None = None
     drop_fraction: float | None = None
     time: float | None = None  # seconds since the start
     # Telemetry (tokenmill.trainer.telemetry); each key only where the hardware reports it.

@@ -101,8 +101,11 @@ def _imbalances(row: dict[str, Any]) -> list[float | None]:
     the row: the live publisher draws the same rows again at every publish, and this is most of the cost."""
     found = row.get(IMBALANCE)
     if found is None:
-        load = row.get("expert_load")
-        found = [expert_imbalance(layer) for layer in load] if isinstance(load, list) else []
+        written, load = row.get("expert_imbalance"), row.get("expert_load")
+        if isinstance(written, list):
+            found = [_number(value) for value in written]
+        else:  # rows written before the trainer logged it
+            found = [expert_imbalance(layer) for layer in load] if isinstance(load, list) else []
         row[IMBALANCE] = found
     return found
 
@@ -213,7 +216,7 @@ def build_run(
     add("Learning rate", [_series(rows, "lr")], svg.Axis("learning rate"))
     add("Throughput", [_series(rows, "tokens_per_second", "tokens / s")], svg.Axis("tokens per second"))
     add("Model FLOPs utilization", [_series(rows, "mfu", "MFU")], svg.Axis("MFU", low=0.0))
-    layers = _per_layer(rows, "expert_load")
+    layers = max((len(_imbalances(r)) for r in rows), default=0)
     load_series = [
         svg.Series(f"layer {layer}", [(float(r["step"]), _at(_imbalances(r), layer)) for r in rows])
         for layer in range(min(layers, MAX_LAYER_SERIES))

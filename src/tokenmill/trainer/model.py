@@ -321,6 +321,24 @@ def blocked_attention(
 # --- the model ------------------------------------------------------------------------------------------
 
 
+def compute_weights(params: Params, dtype: Any) -> Params:
+    """One layer's matrices in the compute dtype, the router and the norm scales left in fp32.
+
+    Every matrix is cast to the residual stream's dtype where it is used anyway; casting the layer's
+    whole slice first, on the device that holds each shard, means the partitioner gathers bf16 shards
+    (half the bytes of fp32 on the wire and in memory) and that layout changes for the backward pass's
+    matmuls are made on the per-layer bf16 copy, not on a transposed fp32 copy of every layer's stack.
+    It runs inside the layer's jax.checkpoint, so what the scan keeps for the backward pass is still the
+    fp32 slice it reads anyway, never a second copy of the weights.
+    """
+
+    def cast(path: tuple, leaf: jax.Array) -> jax.Array:
+        keep = leaf.ndim < 2 or any(getattr(entry, "key", None) == "router" for entry in path)
+        return leaf if keep else leaf.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def layer_forward(
     params: Params,
     x: jax.Array,
@@ -331,6 +349,7 @@ def layer_forward(
 ) -> tuple[jax.Array, MoEStats]:
     """One pre-norm block: attention then mixture of experts, each added to the residual stream
     (through SConv first where the shape has it)."""
+    params = compute_weights(params, x.dtype)
     h = norm(x, params["attn_norm"], params.get("attn_gated_norm"), cfg.norm_eps)
     y = attention(params["attn"], h, segment_ids, cfg, layer)
     if "sconv_attn" in params:

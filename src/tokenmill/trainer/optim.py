@@ -17,6 +17,10 @@ Marin's learning-rate heuristic (`tokenmill.trainer.heuristic`):
   embeddings, router, attention gates, SConv kernels and norm scales take plain Adam at their own rate. No
   clipping.
 
+The train step applies the chosen rule through `LayerwiseOptimizer`: the stacked layers one slice at a time
+under a loop, so that a device holds one slice's optimizer state and Newton-Schulz temporaries at a time
+(and, with the state in pinned host memory, brings only that slice's state over).
+
 Every optimizer here takes the learning rate at update time (`tx.update(..., learning_rate=lr)`) and returns
 the parameter increments: the hyperball step is not linear in the rate, so the rate cannot be multiplied
 onto a unit-rate update afterwards, and handing optax the schedule would evaluate it at optax's own step
@@ -34,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tokenmill.trainer.model import layer_axes
+from tokenmill.trainer.model import LAYERS, layer_axes
 
 OptimizerKind = Literal["adamw", "muon", "muonh"]
 
@@ -288,7 +292,6 @@ def _muon_dims(params: dict) -> dict:
 
 
 def make_optimizer(
-    params: Any,
     kind: OptimizerKind = "adamw",
     weight_decay: float = 0.1,
     clip_norm: float | None = 1.0,
@@ -304,7 +307,10 @@ def make_optimizer(
     adam_lr_ratio (muonh only): the Adam group's rate over the learning rate passed in (Marin: 3/13; the
     MuonH and AdamH groups take the rate itself). weight_decay: AdamW's decoupled decay on matrices; under
     muonh it applies to the Adam group only (the reference run uses 0: the hyperball fixes every other
-    matrix's norm). params: shapes are enough (jax.eval_shape's output).
+    matrix's norm).
+
+    The rule reads which group a parameter is in from its path and shape when it is applied, so the same
+    rule serves the whole tree or one slice of the stacked layers (`LayerwiseOptimizer`).
     """
     if kind == "adamw":
         inner = optax.chain(
@@ -320,7 +326,9 @@ def make_optimizer(
                 adam_b1=b1,
                 adam_b2=b2,
                 adam_weight_decay=weight_decay,
-                muon_weight_dimension_numbers=_muon_dims(params),
+                # A function of the tree it is given: the layer-by-layer update hands it one slice of
+                # the layers at a time.
+                muon_weight_dimension_numbers=_muon_dims,
                 # Moonlight's scaling: Muon's updates get AdamW's RMS, so one learning rate serves both.
                 consistent_rms=0.2,
             ),
@@ -343,3 +351,98 @@ def make_optimizer(
     if clip_norm:
         return optax.chain(optax.clip_by_global_norm(clip_norm), inner)
     return optax.chain(inner)
+
+
+# --- the train step's optimizer: one layer slice at a time -----------------------------------------------
+
+
+StateMemory = Literal["device", "pinned_host"]
+
+
+class LayerwiseOptimizer:
+    """The optimizer as the train step runs it: `rule` (make_optimizer's, without clipping) applied to the
+    parameters outside the stacked layers as one tree, and to each layer group's stack one slice (one pass
+    of the group's body: `period` layers) at a time, under a `jax.lax.fori_loop`.
+
+    Why: applied to the whole tree at once, the update holds every layer's optimizer state on the device
+    together with every layer's Newton-Schulz temporaries, on top of the parameters and the gradients: for
+    the 535B on 64 devices that is the 40 GB of MuonH state brought from the host plus tens of GB of fp32
+    iteration temporaries, and it did not fit 186 GB. Slice by slice, a device holds one slice's state and
+    temporaries (1/12 of the 535B's), the parameters are updated in place (dynamic-update-slice into the
+    donated stack), and with `state_memory="pinned_host"` each slice's state comes from the host's pinned
+    memory just before its update and goes back just after, so the state's device footprint is one slice
+    whatever the depth. Memory on device: parameters + gradients + one slice's state and temporaries.
+
+    The state is `{"rest": rule state of the non-layer parameters, "layers": [per group: the rule's state
+    of one slice, vmapped over the group's repeats]}`: every state leaf under "layers" (Adam's counts too)
+    has the group's leading repeat axis, which the loop slices. Every slice takes the same step, so the
+    result equals the rule applied to the whole tree (tested), counts included.
+
+    Clipping (`clip_norm`, as optax.clip_by_global_norm) needs the norm of every gradient before any slice
+    updates, so it is a scale computed first and applied to each slice as it is read, together with
+    `grad_scale` (gradient accumulation's 1/N): neither makes a scaled copy of the gradients.
+    """
+
+    def __init__(
+        self,
+        rule: optax.GradientTransformationExtraArgs,
+        clip_norm: float | None = None,
+        state_memory: StateMemory = "device",
+    ):
+        self.rule = rule
+        self.clip_norm = clip_norm
+        self.state_memory = state_memory
+
+    def init(self, params: Any) -> dict:
+        rest, groups = _split_layers(params)
+        return {"rest": self.rule.init(rest), LAYERS: [jax.vmap(self.rule.init)(group) for group in groups]}
+
+    def apply(
+        self, grads: Any, state: dict, params: Any, learning_rate: Any, grad_scale: Any = 1.0
+    ) -> tuple[Any, dict, jax.Array]:
+        """(new parameters, new state, the gradients' global norm) for gradients `grads x grad_scale`."""
+        grad_norm = optax.tree.norm(grads) * grad_scale
+        scale = jnp.asarray(grad_scale, jnp.float32)
+        if self.clip_norm:
+            scale = scale * jnp.where(grad_norm < self.clip_norm, 1.0, self.clip_norm / grad_norm)
+
+        def update(grad: Any, opt_state: Any, param: Any) -> tuple[Any, Any]:
+            grad = jax.tree.map(lambda g, p: (g.astype(jnp.float32) * scale).astype(p.dtype), grad, param)
+            opt_state = self._to(opt_state, jax.memory.Space.Device)
+            updates, opt_state = self.rule.update(grad, opt_state, param, learning_rate=learning_rate)
+            return optax.apply_updates(param, updates), self._to(opt_state, jax.memory.Space.Host)
+
+        (rest_grads, group_grads), (rest_params, groups) = _split_layers(grads), _split_layers(params)
+        new_rest, rest_state = update(rest_grads, state["rest"], rest_params)
+        new_groups, group_states = [], []
+        for group_grad, group_state, group in zip(group_grads, state[LAYERS], groups, strict=True):
+
+            def one_slice(index: jax.Array, carry: tuple, group_grad: Any = group_grad) -> tuple:
+                take = lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False)  # noqa: E731
+                put = lambda leaf, value: jax.lax.dynamic_update_index_in_dim(leaf, value, index, 0)  # noqa: E731
+                group, group_state = carry
+                slices = (jax.tree.map(take, tree) for tree in (group_grad, group_state, group))
+                new, new_state = update(*slices)
+                return jax.tree.map(put, group, new), jax.tree.map(put, group_state, new_state)
+
+            # Parameters and state are the loop's carry, each slice written back in place (a scan's stacked
+            # output would be a second copy of the state). XLA:CPU still copies the carried state once
+            # (docs/trainer.md, "What fills the 535B's device").
+            repeats = jax.tree.leaves(group)[0].shape[0]
+            group, group_state = jax.lax.fori_loop(0, repeats, one_slice, (group, group_state))
+            new_groups.append(group)
+            group_states.append(group_state)
+        new_params = {**new_rest, LAYERS: new_groups} if groups else new_rest
+        return new_params, {"rest": rest_state, LAYERS: group_states}, grad_norm
+
+    def _to(self, tree: Any, space: jax.memory.Space) -> Any:
+        if self.state_memory == "device":
+            return tree
+        return jax.device_put(tree, space)
+
+
+def _split_layers(tree: Any) -> tuple[Any, list]:
+    """(the tree without its stacked layers, the list of layer groups): params, gradients or the like."""
+    if isinstance(tree, dict) and LAYERS in tree:
+        return {key: value for key, value in tree.items() if key != LAYERS}, list(tree[LAYERS])
+    return tree, []

@@ -223,6 +223,12 @@ class LoggingConfig(Section):
     publish_every: int = Field(
         100, gt=0, description="publish every this many steps (and at every checkpoint)"
     )
+    expert_load_every: int = Field(
+        100,
+        gt=0,
+        description="write every layer's per-expert load into metrics.jsonl every this many steps (and at "
+        "the first and last step); every row has each layer's expert_imbalance",
+    )
     publish_refresh: int = Field(
         60,
         ge=0,

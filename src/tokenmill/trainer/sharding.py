@@ -183,9 +183,11 @@ def state_shardings(state: Any, params_sharding: Any, mesh: Mesh, optimizer_memo
 
     An optimizer-state leaf that holds one number per parameter (Adam's moments, Muon's momentum, under
     whatever wrapper optax puts them: a partition's masked trees, a chain's tuple) is found by its path,
-    which ends with the parameter's path, and is sharded like that parameter. Everything else (counts, the
-    step, the router bias) is replicated. optimizer_memory "pinned_host" keeps the whole optimizer state in
-    the host's pinned memory (the train step brings it to the device and back), as the reference run did.
+    which ends with the parameter's path, and is sharded like that parameter. The layers' state
+    (optim.LayerwiseOptimizer: `opt_state["layers"][g]` is group g's state, stacked over its repeats) ends
+    with the parameter's path inside its group. Everything else (counts, the step, the router bias) is
+    replicated. optimizer_memory "pinned_host" keeps the whole optimizer state in the host's pinned memory
+    (the update brings it to the device a slice at a time), as the reference run did.
     """
     by_path = {
         jax.tree_util.keystr(path): (leaf.shape, sharding)
@@ -197,8 +199,9 @@ def state_shardings(state: Any, params_sharding: Any, mesh: Mesh, optimizer_memo
     }
 
     def optimizer_leaf(path: tuple, leaf: Any) -> NamedSharding:
+        group = path[:2] if layer_axes(path) else ()  # ("layers", g)
         for start in range(len(path)):
-            found = by_path.get(jax.tree_util.keystr(path[start:]))
+            found = by_path.get(jax.tree_util.keystr(group + path[start:]))
             if found is not None and found[0] == leaf.shape:
                 return found[1].with_memory_kind(optimizer_memory)
         return NamedSharding(mesh, P(), memory_kind=optimizer_memory)

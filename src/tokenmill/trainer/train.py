@@ -45,7 +45,7 @@ from tokenmill.trainer.config import ModelConfig
 from tokenmill.trainer.data import Batch, BatchSource
 from tokenmill.trainer.flops import count_params, flops_per_token, known_peak_flops, measure_matmul_flops
 from tokenmill.trainer.moe import update_router_bias
-from tokenmill.trainer.optim import Schedule, make_optimizer
+from tokenmill.trainer.optim import LayerwiseOptimizer, Schedule, make_optimizer
 from tokenmill.trainer.run_config import RunConfig, resolve_run_config
 from tokenmill.trainer.sharding import (
     AXES,
@@ -99,7 +99,7 @@ def make_schedule(run: RunConfig, phases: list[Phase]) -> Schedule:
 
 def make_train_step(
     model_cfg: ModelConfig,
-    tx: optax.GradientTransformation,
+    optimizer: LayerwiseOptimizer,
     schedule: Schedule,
     dtype: Any,
     microbatches: int = 1,
@@ -109,9 +109,10 @@ def make_train_step(
 
     With `microbatches` N > 1 the batch runs as N microbatches under jax.lax.scan (gradient accumulation):
     each has a forward and a backward pass, their gradients are summed in fp32 (sharded as `grad_shardings`
-    says, the parameters' layout) and averaged, then the optimizer updates once. Microbatch i takes rows
-    i, i+N, i+2N, ... so that each device's rows split evenly among the microbatches and no row moves
-    between devices. Activation memory is that of B/N rows. The loss, the gradients and the router load
+    says, the parameters' layout), then the optimizer updates once with the sum scaled by 1/N (the scale
+    is applied slice by slice inside the update: no averaged copy of the gradients is made). Microbatch i
+    takes rows i, i+N, i+2N, ... so that each device's rows split evenly among the microbatches and no row
+    moves between devices. Activation memory is that of B/N rows. The loss, the gradients and the router load
     (summed over microbatches: the bias update sees the whole batch's load) equal the one-pass step's up to
     float rounding, since every microbatch has the same number of tokens. Statistics that are not sums over
     tokens are averaged over microbatches: the balance loss, the router z-loss and quantile balancing's
@@ -127,7 +128,7 @@ def make_train_step(
 
     def accumulated(state: dict, tokens: jax.Array, segment_ids: jax.Array) -> tuple:
         if microbatches == 1:
-            return gradients(state, tokens, segment_ids)
+            return *gradients(state, tokens, segment_ids), 1.0
         if tokens.shape[0] % microbatches:
             raise ValueError(f"{microbatches} microbatches do not divide a batch of {tokens.shape[0]} rows")
 
@@ -160,14 +161,14 @@ def make_train_step(
             balance_loss=stats.balance_loss / n,
             z_loss=stats.z_loss / n,
         )
-        grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, state["params"])
-        return (total / n, (loss / n, stats)), grads
+        return (total / n, (loss / n, stats)), grads, 1.0 / n
 
     def train_step(state: dict, tokens: jax.Array, segment_ids: jax.Array) -> tuple[dict, dict]:
-        (total_loss, (loss, stats)), grads = accumulated(state, tokens, segment_ids)
+        (total_loss, (loss, stats)), grads, grad_scale = accumulated(state, tokens, segment_ids)
         lr = schedule(state["step"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"], learning_rate=lr)
-        params = optax.apply_updates(state["params"], updates)
+        params, opt_state, grad_norm = optimizer.apply(
+            grads, state["opt_state"], state["params"], lr, grad_scale
+        )
         router_bias = update_router_bias(state["router_bias"], stats.load, stats.quantile_bias, m)
         new_state = {
             "step": state["step"] + 1,
@@ -181,12 +182,14 @@ def make_train_step(
             "loss": loss,
             "objective": total_loss,
             "lr": lr,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             # Learned parameters only: the router bias is reported on its own (a spike in the norm of
             # everything once turned out to be the bias alone).
             "param_norm": optax.tree.norm(params),
             "router_bias_norm": jnp.linalg.norm(router_bias, axis=-1),
             "expert_load": stats.load / assignments,
+            # Per layer, the busiest expert's share x the number of experts (1.0: perfectly balanced).
+            "expert_imbalance": stats.load.max(-1) * m.n_experts / jnp.maximum(stats.load.sum(-1), 1.0),
             "drop_fraction": stats.dropped.sum() / (assignments * model_cfg.n_layers),
             "balance_loss": stats.balance_loss.mean(),
             "router_z_loss": stats.z_loss.mean(),
@@ -232,8 +235,8 @@ class MetricsWriter:
             flat = {k: v for k, v in row.items() if isinstance(v, int | float) and v is not None}
             for layer, norm in enumerate(row["router_bias_norm"]):
                 flat[f"router_bias_norm/layer{layer}"] = norm
-            for layer, load in enumerate(row["expert_load"]):
-                flat[f"expert_load_max/layer{layer}"] = max(load)
+            for layer, imbalance in enumerate(row["expert_imbalance"]):
+                flat[f"expert_imbalance/layer{layer}"] = imbalance
             self.wandb.log(flat, step=row["step"])
 
     @property
@@ -433,7 +436,7 @@ def train(
                     "grad_norm": float(metrics["grad_norm"]),
                     "param_norm": float(metrics["param_norm"]),
                     "router_bias_norm": [float(x) for x in metrics["router_bias_norm"]],
-                    "expert_load": [[round(float(x), 6) for x in layer] for layer in metrics["expert_load"]],
+                    "expert_imbalance": [round(float(x), 4) for x in metrics["expert_imbalance"]],
                     "drop_fraction": float(metrics["drop_fraction"]),
                     "time": now - t0,
                     "objective": float(metrics["objective"]),
@@ -446,6 +449,12 @@ def train(
                     **timer.take(elapsed),
                     **telemetry.sample(),
                 }
+                # The whole [layers, experts] load is 18k numbers a row for the 535B: written at the first
+                # and last step of each run of this command and every expert_load_every steps.
+                every = run.logging.expert_load_every
+                if step in (start, target - 1) or (step - phase.start_step) % every == 0:
+                    load = metrics["expert_load"]
+                    row["expert_load"] = [[round(float(x), 6) for x in layer] for layer in load]
                 writer.write(row)
                 rows.append(row)
                 done = step + 1
@@ -522,9 +531,9 @@ def compile_train_step(run: RunConfig, schedule: Schedule, mesh: jax.sharding.Me
     """(init_state, train_step, state shardings): jitted with explicit shardings, cached per configuration.
 
     run: resolved (`resolve_run_config`): the optimizer's settings are all given. With
-    `optimizer.state_memory: pinned_host` the optimizer state lives in the host's pinned memory between
-    steps: the step moves it to the device for the update and back (XLA overlaps the copies with the
-    forward and backward passes where the backend can).
+    `optimizer.state_memory: pinned_host` the optimizer state lives in the host's pinned memory: the
+    update (optim.LayerwiseOptimizer) brings one slice of the layers' state to the device at a time and
+    sends it back once updated.
 
     `tokenmill model compile` lowers the returned train_step with abstract arrays (`.lower(...)`), so the
     step it measures is this one."""
@@ -535,23 +544,23 @@ def compile_train_step(run: RunConfig, schedule: Schedule, mesh: jax.sharding.Me
     dtype = jnp.bfloat16 if run.compute_dtype == "bfloat16" else jnp.float32
     # Shapes first, then shardings, then the real arrays are created directly in place on the mesh.
     abstract_params = jax.eval_shape(lambda key: model.init_params(key, model_cfg), jax.random.key(0))
-    tx = make_optimizer(
-        abstract_params,
+    rule = make_optimizer(
         opt.kind,
         opt.weight_decay,
-        opt.clip_norm,
+        None,  # clipped by the LayerwiseOptimizer, which sees every gradient before any slice updates
         opt.beta1,
         opt.beta2,
         opt.epsilon,
         adam_lr_ratio=opt.adam_lr / opt.lr if opt.adam_lr and opt.lr else 3 / 13,
     )
+    optimizer = LayerwiseOptimizer(rule, opt.clip_norm, opt.state_memory)
 
     def init_state(key: jax.Array) -> dict:
         params = model.init_params(key, model_cfg)
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
-            "opt_state": tx.init(params),
+            "opt_state": optimizer.init(params),
             "router_bias": model.init_router_bias(model_cfg),
         }
 
@@ -559,20 +568,8 @@ def compile_train_step(run: RunConfig, schedule: Schedule, mesh: jax.sharding.Me
     shardings = state_shardings(
         abstract_state, param_shardings(abstract_params, mesh), mesh, optimizer_memory=opt.state_memory
     )
-    train_step = make_train_step(
-        model_cfg, tx, schedule, dtype, opt.microbatches, grad_shardings=device_memory(shardings["params"])
-    )
-    if opt.state_memory != "device":
-        on_host, on_device = shardings["opt_state"], device_memory(shardings["opt_state"])
-
-        def step_with_state_on_host(state: dict, tokens: jax.Array, segment_ids: jax.Array) -> tuple:
-            state = {**state, "opt_state": jax.device_put(state["opt_state"], on_device)}
-            new_state, metrics = train_step(state, tokens, segment_ids)
-            return {**new_state, "opt_state": jax.device_put(new_state["opt_state"], on_host)}, metrics
-
-        step = step_with_state_on_host
-    else:
-        step = train_step
+    grad_shardings = device_memory(shardings["params"])
+    step = make_train_step(model_cfg, optimizer, schedule, dtype, opt.microbatches, grad_shardings)
     init_fn = jax.jit(init_state, out_shardings=shardings)
     step_fn = jax.jit(
         step,

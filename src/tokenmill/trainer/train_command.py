@@ -70,6 +70,7 @@ ALIASES = {
     "logging.wandb_project": "--wandb-project",
     "logging.publish": "--publish",
     "logging.publish_every": "--publish-every",
+    "logging.expert_load_every": "--expert-load-every",
     "logging.publish_refresh": "--publish-refresh",
     "logging.publish_ladder": "--publish-ladder",
 }
