@@ -154,3 +154,17 @@ def test_history_of_a_config_json_from_before_histories(tmp_path):
     settings = {"seed": 0, "data": {"phase": "pretraining"}, "logging": {}}
     again = history_entry(12, "pretraining", settings, None, identity)
     assert extend_history(read_run_record(path), again) == history
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_the_checkpoint(tmp_path, capsys):
+    """A rerun with another optimizer finds its state laid out otherwise: the error names the checkpoint
+    and the first path that differs, instead of orbax's bare structure mismatch."""
+    run = tmp_path / "run"
+    base = [*SYNTHETIC, "--output", str(run)]
+    assert main([*base, "--steps", "4", "--optimizer", "adamw"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--steps", "8", "--optimizer", "muon"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {run}/checkpoints/4 holds a train state laid out otherwise" in err, err
+    assert "opt_state" in err and "new --output" in err
+    assert [row["step"] for row in read_metrics(run)] == [0, 1, 2, 3]  # nothing trained

@@ -34,6 +34,13 @@ PLAN_LABELS = ("name", "description", "warnings", "provenance")
 MODEL_EXECUTION = ("name", "reference_run", "remat", "moe.expert_parallel")
 
 
+STRUCTURE_MISMATCH = ("structure mismatch", "tree structures do not match")
+
+
+class CheckpointLayoutError(ValueError):
+    """A checkpoint's arrays are not laid out as the train state this run builds."""
+
+
 class Checkpointer:
     """A thin wrapper over orbax's CheckpointManager for one run's checkpoints/ directory."""
 
@@ -69,11 +76,25 @@ class Checkpointer:
         return dict(restored["meta"])
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict]:
-        """The state saved at `step`, laid out like `target` (ShapeDtypeStructs with shardings); its meta."""
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
-        )
+        """The state saved at `step`, laid out like `target` (ShapeDtypeStructs with shardings); its meta.
+
+        A checkpoint whose arrays are laid out otherwise (another optimizer, or a state layout of an
+        earlier tokenmill) raises CheckpointLayoutError naming the checkpoint and the first difference."""
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+            )
+        except ValueError as error:
+            # orbax's two wordings of it, from its two restore paths
+            if not any(words in str(error).lower() for words in STRUCTURE_MISMATCH):
+                raise
+            raise CheckpointLayoutError(
+                f"checkpoint {self.path(step)} holds a train state laid out otherwise than this run's "
+                f"(another optimizer, or saved by an earlier tokenmill whose layout changed since): "
+                f"{str(error)[:500]}. It cannot be resumed or continued from as it is: train into a new "
+                "--output with the optimizer it was saved with, or start afresh."
+            ) from error
         return restored["state"], dict(restored["meta"])
 
     def path(self, step: int) -> Path:

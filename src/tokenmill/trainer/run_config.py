@@ -93,7 +93,7 @@ class OptimizerConfig(Section):
     state_memory: Literal["device", "pinned_host"] = Field(
         "device",
         description="where the optimizer state lives between steps: device memory, or the host's pinned "
-        "memory (brought to the device for the update and back, as the reference run did)",
+        "memory (brought to the device a layer slice at a time for the update, as the reference run kept it)",
     )
     microbatches: int = Field(
         1,
