@@ -280,9 +280,9 @@ def compile_report(
     abstract arrays, and measure it: the dict `model compile --json` prints.
 
     When the step does not fit and each device still runs more than one row per microbatch, the step is
-    compiled once more with twice the microbatches (`probe_microbatches`): the two totals give the bytes
-    that grow with the rows a device runs at once and the bytes that do not, from which the suggestions
-    estimate the total at every microbatch count."""
+    compiled once more at one row per device per microbatch (`probe_microbatches`): the two totals give the
+    bytes that grow with the rows a device runs at once and the bytes that do not, from which the
+    suggestions estimate the total at every microbatch count (exact at both ends, interpolated between)."""
     import jax
     import jax.numpy as jnp
 
@@ -378,12 +378,14 @@ def compile_report(
     }
     rows = batch_size // (devices * microbatches)
     by_microbatches: dict[int, float] = {}
-    if not fits and probe_microbatches and rows > 1 and rows % 2 == 0:
+    if not fits and probe_microbatches and rows > 1:
+        # The other end: one row per device at a time. Bytes do not grow quite linearly with the rows (XLA
+        # reuses more at fewer), so the fewest rows, where a step that barely fits lies, are measured.
         probe = compile_report(
             cfg, mesh_axes, batch_size, seq_len, device_memory, remat, optimizer, optimizer_state,
-            compute_dtype, microbatches * 2, probe_microbatches=False,
+            compute_dtype, batch_size // devices, probe_microbatches=False,
         )  # fmt: skip
-        per_row = (total - probe["bytes_per_device"]["total"]) / (rows - rows // 2)
+        per_row = (total - probe["bytes_per_device"]["total"]) / (rows - 1)
         fixed = total - per_row * rows
         report["bytes_per_device_model"] = {"fixed": fixed, "per_row_of_a_microbatch": per_row}
         by_microbatches = {
@@ -521,9 +523,10 @@ def _suggestions(
     import jax
 
     tips = []
+    # The device's memory: the estimate at the current count is this step's total.
+    limit = max(by_microbatches.values(), default=0.0) - over
     if by_microbatches:
-        now = max(by_microbatches.values())
-        fitting = [count for count, total in by_microbatches.items() if total <= now - over]
+        fitting = [count for count, total in by_microbatches.items() if total <= limit]
         estimates = ", ".join(f"{count}: {total / 1e9:.0f} GB" for count, total in by_microbatches.items())
         verdict = (
             f"{fitting[0]} is the fewest that fits"
@@ -544,7 +547,13 @@ def _suggestions(
             math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
             for leaf in jax.tree.leaves(state["opt_state"])
         )
-        verdict = "enough" if opt_bytes >= over else "not enough alone"
+        with_microbatches = [count for count, total in by_microbatches.items() if total - opt_bytes <= limit]
+        if opt_bytes >= over:
+            verdict = "enough"
+        elif with_microbatches:
+            verdict = f"enough with --microbatches {with_microbatches[0]}"
+        else:
+            verdict = "not enough alone"
         tips.append(
             f"--optimizer-state pinned_host (optimizer.state_memory) moves {opt_bytes / 1e9:.1f} GB per "
             f"device of optimizer state to the host ({verdict})"
