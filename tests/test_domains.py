@@ -317,67 +317,23 @@ def test_the_command_writes_the_card_and_says_what_it_found(planted, tmp_path):
 
 
 def test_bad_input_gives_clear_errors(tmp_path):
+    def domains_train(source, k: int, domains: int):
+        return run_tokenmill("domains", "train", "--input", str(source), "--k", str(k), "--domains",
+                             str(domains), "--output", str(tmp_path / "m"), check=False)  # fmt: skip
+
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"id": "a", "text": "   "}\n{"id": "b"}\nnot json\n')
-    result = run_tokenmill(
-        "domains",
-        "train",
-        "--input",
-        str(empty),
-        "--k",
-        "2",
-        "--domains",
-        "1",
-        "--output",
-        str(tmp_path / "m"),
-        check=False,
-    )
+    result = domains_train(empty, 2, 1)
     assert result.returncode == 2
     assert "no documents with text (3 records read, 2 rejected, 1 empty)" in result.stderr
     assert not (tmp_path / "m" / CARD).exists()
     few = tmp_path / "few.jsonl"
     few.write_text("".join(json.dumps({"id": str(i), "text": f"word{i} text"}) + "\n" for i in range(3)))
-    result = run_tokenmill(
-        "domains",
-        "train",
-        "--input",
-        str(few),
-        "--k",
-        "2",
-        "--domains",
-        "4",
-        "--output",
-        str(tmp_path / "m"),
-        check=False,
-    )
+    result = domains_train(few, 2, 4)
     assert result.returncode == 2 and "--k 2 is less than --domains 4" in result.stderr
-    result = run_tokenmill(
-        "domains",
-        "train",
-        "--input",
-        str(few),
-        "--k",
-        "5",
-        "--domains",
-        "2",
-        "--output",
-        str(tmp_path / "m"),
-        check=False,
-    )
+    result = domains_train(few, 5, 2)
     assert result.returncode == 2 and "need at least 5 documents; the sample has 3" in result.stderr
-    result = run_tokenmill(
-        "domains",
-        "train",
-        "--input",
-        str(tmp_path / "none-*.jsonl"),
-        "--k",
-        "2",
-        "--domains",
-        "1",
-        "--output",
-        str(tmp_path / "m"),
-        check=False,
-    )
+    result = domains_train(tmp_path / "none-*.jsonl", 2, 1)
     assert result.returncode == 2 and "no input files" in result.stderr
 
 
