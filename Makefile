@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export XLA_FLAGS ?=
 export PYTHONHASHSEED := 0
 
-.PHONY: install demo test test-slow test-all bench lint sample browser clean
+.PHONY: install demo test test-slow test-install test-all bench lint sample browser clean
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ test: install browser
 
 test-slow: install browser
 	$(BIN)/python -m pytest -m slow -q
+
+# A new virtual environment with `pip install .` alone (no extras) curates the sample with every shipped
+# recipe, and a worker's install of the shipped wheel curates too (tests/test_clean_install.py; minutes).
+test-install: install
+	$(BIN)/python -m pytest -m install -q tests/test_clean_install.py
 
 test-all: install browser
 	$(BIN)/python -m pytest -q

@@ -10,7 +10,7 @@ only in a `<meta>` tag, and undeclared; they go into a `.warc.gz` in Common Craw
 request, response and metadata records per page, one gzip member per record), with some redirects,
 404s and images among them.
 
-Speed: pages per second and MB/s from the .warc.gz to documents (`tokenmill.pipelines.readers.read_file`:
+Speed: pages per second and MB/s from the .warc.gz to documents (`tokenmill.corpora.readers.read_file`:
 gzip, framing, FastWARC parsing, charset detection and decoding, Resiliparse extraction, metadata) against
 Resiliparse's `extract_plain_text` called in a loop on the same pages, already decoded, with the same
 options. Best of `--repeats` runs each, alternating.
@@ -45,8 +45,9 @@ from pathlib import Path
 
 from resiliparse.extract.html2text import extract_plain_text
 
-from tokenmill.pipelines.readers import InputFields, read_file
-from tokenmill.pipelines.warc import EXTRACT_OPTIONS
+from tokenmill.corpora.readers import read_file
+from tokenmill.corpora.records import InputFields
+from tokenmill.corpora.warc import EXTRACT_OPTIONS
 from tokenmill.samples import text as sample
 
 NAV_WORDS = [

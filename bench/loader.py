@@ -20,7 +20,7 @@ rows a step (1M tokens: one host's share of a big batch).
   their warm rate is their cold one).
 * remote: a smaller token directory (`--remote-tokens`, default 48Mi) uploaded to a GCS emulator on
   loopback (gcp-storage-emulator, the tests' emulator, started here) and read as gs:// shards with
-  ranged requests (`tokenmill.trainer.remote`), `--remote-steps` batches from step 0 (read-ahead starting
+  ranged requests (`tokenmill.trainer.data.remote`), `--remote-steps` batches from step 0 (read-ahead starting
   cold, as a run starts), against the local reader on the same directory and steps: tokens/s, and
   requests (local: O_DIRECT reads) per batch. Sides: the defaults (256 KiB coalescing gap), no
   coalescing, the block shuffle, and a local cache large enough for every shard. The emulator serves one
@@ -160,7 +160,7 @@ def resident_fraction(tokens_dir: Path) -> float:
 def open_source(plan: MixturePlan, tokens: str, prefetch_batches: int | None = None, **options):
     """The sampler as the trainer gets it: `MixtureSource.from_plan`, wrapped in `PrefetchedBatches`
     (DEFAULT_PREFETCH_BATCHES, or `prefetch_batches`; 0: none, everything on the caller's thread)."""
-    from tokenmill.trainer.sampler import DEFAULT_PREFETCH_BATCHES, MixtureSource, PrefetchedBatches
+    from tokenmill.trainer.data.sampler import DEFAULT_PREFETCH_BATCHES, MixtureSource, PrefetchedBatches
 
     source = MixtureSource.from_plan(plan, "pretraining", tokens, 0, **options)
     batches = DEFAULT_PREFETCH_BATCHES if prefetch_batches is None else prefetch_batches
@@ -195,8 +195,8 @@ def cold_random_reads(
     """The disk's random-read ceiling: the staged reads of the sampler's windows for these steps, all
     handed to one DirectReader at once (no sampling, no copying out), from an empty page cache. None
     where direct reads are unavailable."""
-    from tokenmill.trainer.direct_io import DirectIOUnavailable, DirectReader, aligned_buffer
-    from tokenmill.trainer.sampler import MixtureSource
+    from tokenmill.trainer.data.direct_io import DirectIOUnavailable, DirectReader, aligned_buffer
+    from tokenmill.trainer.data.sampler import MixtureSource
 
     source = MixtureSource.from_plan(plan, "pretraining", str(tokens_dir), 0, reader="mmap")
     stream = source._stream
@@ -284,9 +284,10 @@ def warm_sequential(tokens_dir: Path, piece: int) -> tuple[int, float]:
 def cold_section(args: argparse.Namespace, tokens_dir: Path, plan: MixturePlan) -> float:
     """Cold sides, alternating, each from an empty page cache on other steps each time; returns the
     ratio of the sampler's median tokens/s to the sequential read's."""
-    from tokenmill.trainer.sampler import BlockShuffle, MixtureSource
+    from tokenmill.trainer.data.permutations import BlockShuffle
+    from tokenmill.trainer.data.sampler import MixtureSource
 
-    batch_tokens = args.batch_size * (args.seq_len + 1)
+    batch_tokens = args.batch_size * (args.sequence_length + 1)
     cold_steps = max(1, args.cold_tokens // batch_tokens)
     sides = {
         "sampler": {},
@@ -329,9 +330,9 @@ def cold_section(args: argparse.Namespace, tokens_dir: Path, plan: MixturePlan) 
 
 def warm_section(args: argparse.Namespace, tokens_dir: Path, plan: MixturePlan) -> None:
     """Everything in memory. The target is for one core: no helper threads."""
-    from tokenmill.trainer.sampler import MixtureSource
+    from tokenmill.trainer.data.sampler import MixtureSource
 
-    batch_tokens = args.batch_size * (args.seq_len + 1)
+    batch_tokens = args.batch_size * (args.sequence_length + 1)
     reader = MixtureSource.from_plan(plan, "pretraining", str(tokens_dir), 0).reader
     tokens, seconds = warm_sequential(tokens_dir, batch_tokens)
     sequential_warm = tokens / seconds
@@ -414,7 +415,7 @@ def gcs_emulator() -> Iterator[str]:
 
 def local_reads_per_batch(plan: MixturePlan, tokens_dir: Path, steps: int) -> float:
     """The O_DIRECT reads a batch of the local direct reader takes (4 KiB-aligned, touching ones merged)."""
-    from tokenmill.trainer.sampler import MixtureSource
+    from tokenmill.trainer.data.sampler import MixtureSource
 
     source = MixtureSource.from_plan(
         plan, "pretraining", str(tokens_dir), 0, reader="mmap", readahead_tokens=0
@@ -433,16 +434,16 @@ def remote_section(args: argparse.Namespace) -> float | None:
     except ImportError:
         print("remote: skipped (gcp-storage-emulator is not installed: pip install -e '.[dev]')")
         return None
-    from tokenmill.trainer.remote import RemoteOptions
-    from tokenmill.trainer.sampler import BlockShuffle
+    from tokenmill.trainer.data.permutations import BlockShuffle
+    from tokenmill.trainer.data.remote import RemoteOptions
 
     scratch = Path(tempfile.mkdtemp(prefix="tokenmill-bench-remote-"))
     try:
         tokens_dir = scratch / "tokens"
         build_tokens(tokens_dir, args.remote_tokens)
-        plan = make_plan(tokens_dir, args.seq_len, args.batch_size, args.block_size)
+        plan = make_plan(tokens_dir, args.sequence_length, args.batch_size, args.block_size)
         steps = args.remote_steps
-        batch_tokens = args.batch_size * (args.seq_len + 1)
+        batch_tokens = args.batch_size * (args.sequence_length + 1)
         with gcs_emulator() as bucket:
             import fsspec
 
@@ -457,7 +458,7 @@ def remote_section(args: argparse.Namespace) -> float | None:
                 f"remote: {args.remote_tokens:,} tokens ({size / 1e6:.0f} MB, "
                 f"{len(bin_files(tokens_dir))} shards) uploaded to the GCS emulator on loopback in "
                 f"{time.perf_counter() - t0:.1f}s; "
-                f"{steps} batches of {args.batch_size} x {args.seq_len + 1} from step 0"
+                f"{steps} batches of {args.batch_size} x {args.sequence_length + 1} from step 0"
             )
             local = open_source(plan, str(tokens_dir))
             tokens, seconds = sampler_run(local, 0, steps)
@@ -498,7 +499,7 @@ def remote_section(args: argparse.Namespace) -> float | None:
                 f"  {name:24s} {rate / 1e6:8.2f}M tokens/s ({rate / local_rate:.3f} of local)  "
                 f"{requests:7.1f} requests a batch of {args.batch_size} windows{moved}"
             )
-        need = REFERENCE_HOST_ROWS * (args.seq_len + 1)
+        need = REFERENCE_HOST_ROWS * (args.sequence_length + 1)
         print(
             f"remote: a reference-run host reads {REFERENCE_HOST_ROWS} windows a step "
             f"({need / 1e3:.0f}K tokens): at a step a second {REFERENCE_HOST_ROWS} requests/s; the "
@@ -516,7 +517,7 @@ def main() -> int:
     )
     parser.add_argument("--tokens-dir", help="reuse (or build and keep) the bench's token directory here")
     parser.add_argument("--total-tokens", type=int, default=384 << 20, help="tokens to build (default 384Mi)")
-    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--sequence-length", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=256, help="rows a step (default 256)")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument(
@@ -545,7 +546,7 @@ def main() -> int:
     sections = set(args.sections.split(","))
     if sections - SECTIONS or not sections:
         parser.error(f"--sections: expected some of {','.join(sorted(SECTIONS))}")
-    from tokenmill.trainer.sampler import MixtureSource
+    from tokenmill.trainer.data.sampler import MixtureSource
 
     cold_ratio = None
     if sections & {"cold", "warm"}:
@@ -560,7 +561,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 build_tokens(tokens_dir, args.total_tokens)
                 print(f"built {args.total_tokens:,} tokens in {tokens_dir} ({time.perf_counter() - t0:.1f}s)")
-            plan = make_plan(tokens_dir, args.seq_len, args.batch_size, args.block_size)
+            plan = make_plan(tokens_dir, args.sequence_length, args.batch_size, args.block_size)
             source = MixtureSource.from_plan(plan, "pretraining", str(tokens_dir), 0)
             total = sum(src.stream.num_tokens for src in source.sources)
             print(source)

@@ -7,7 +7,10 @@ Measures, in one run:
   matmul (the output head). The best of them is the measured peak, and step FLOP/s / peak is the MFU;
 - capacity dispatch against dropless dispatch (ragged_dot) on the same model and batch, with the fraction of
   routed assignments the capacity dispatch dropped;
-- expert parallelism (trainer/expert_parallel.py): in a child process with 8 simulated CPU devices, the same
+- one held-out evaluation (run/evaluate.py) at the demo's sizes (configs/models/tiny.yaml, 8 sequences of 128
+  tokens a step; 10 evaluation sets of 16 sequences, dropless and capacity, as `make demo` evaluates) against
+  one train step of the same model and batch: the cost of an evaluation point in train steps;
+- expert parallelism (model/expert_parallel.py): in a child process with 8 simulated CPU devices, the same
   step on a data 1 x fsdp 1 x expert 8 mesh (2 experts a device, the batch split 8 ways, shard_map and
   all-to-all) against the single-device step in that process, for both transports. The devices share the
   machine's cores, so the ratio measures what expert parallelism adds (sorting, all-to-all copies, the
@@ -33,12 +36,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from tokenmill.trainer.config import ModelConfig, MoEConfig
-from tokenmill.trainer.data import SyntheticSource
-from tokenmill.trainer.flops import count_params, flops_per_token
-from tokenmill.trainer.run_config import RunConfig, resolve_run_config
-from tokenmill.trainer.sharding import batch_sharding, make_mesh
-from tokenmill.trainer.train import Phase, compile_train_step, make_schedule
+from tokenmill.trainer.data.batch import SyntheticSource
+from tokenmill.trainer.model.flops import count_params, flops_per_token
+from tokenmill.trainer.model.shape import ModelConfig, MoEConfig
+from tokenmill.trainer.model.sharding import batch_sharding, make_mesh
+from tokenmill.trainer.run.config import Phase, RunConfig, resolve_run_config
+from tokenmill.trainer.run.step import compile_train_step
 
 
 def bench_model(dispatch: str, vocab: int) -> ModelConfig:
@@ -51,11 +54,62 @@ def bench_model(dispatch: str, vocab: int) -> ModelConfig:
         n_heads=8,
         n_kv_heads=4,
         head_dim=32,
-        seq_len=1024,
+        sequence_length=1024,
         sliding_window=128,
         sliding_window_layers=[0, 2],
         moe=MoEConfig(n_experts=16, top_k=2, expert_hidden=256, n_shared_experts=1, dispatch=dispatch),
     )
+
+
+DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "models", "tiny.yaml")
+DEMO_BATCH, DEMO_SEQ, DEMO_SETS, DEMO_SEQUENCES = 8, 128, 10, 16
+
+
+def time_evaluation(dtype: str, repeats: int = 3) -> dict:
+    """One evaluation point at the demo's sizes against one train step of the same model and batch.
+
+    The sets are synthetic token windows laid out as data/evaluation.py lays out held-out documents (their
+    content does not change the cost); the evaluator is the trainer's, compiled once, both dispatches."""
+    import numpy as np
+
+    from tokenmill.trainer.data.evaluation import EvalSequences
+    from tokenmill.trainer.model.shape import load_model_config
+    from tokenmill.trainer.run.evaluate import Evaluator, default_rows
+
+    cfg = load_model_config(DEMO_MODEL)
+    step = time_train_step(cfg, DEMO_BATCH, DEMO_SEQ, 6, dtype)
+    source = SyntheticSource(cfg.vocab_size, DEMO_SEQ, DEMO_SEQUENCES, seed=1)
+    sets = []
+    for index in range(DEMO_SETS):
+        batch = source.batch(index)
+        sets.append(EvalSequences(
+            name=f"heldout/domain=c{index:02d}", kind="heldout", tokens=batch.tokens,
+            segment_ids=batch.segment_ids, mask=np.ones((DEMO_SEQUENCES, DEMO_SEQ), np.float32),
+            documents=1, scored_tokens=DEMO_SEQUENCES * DEMO_SEQ, num_bytes=4 * DEMO_SEQUENCES * DEMO_SEQ,
+            tokenizer_sha256="",
+        ))  # fmt: skip
+    mesh = make_mesh((1, 1, 1))
+    with jax.set_mesh(mesh):
+        from tokenmill.trainer.model import transformer
+
+        params = transformer.init_params(jax.random.key(0), cfg)
+        bias = transformer.init_router_bias(cfg)
+        rows = default_rows(DEMO_BATCH, 1, mesh)
+        evaluator = Evaluator(cfg, sets, mesh, rows, ("dropless", "capacity"), dtype)
+        started = time.perf_counter()
+        evaluator.evaluate(params, bias, 0)
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(repeats):
+            evaluator.evaluate(params, bias, 0)
+        seconds = (time.perf_counter() - started) / repeats
+    batches = sum(s.num_batches(rows) for s in sets) * 2
+    return {
+        "sets": DEMO_SETS, "sequences_per_set": DEMO_SEQUENCES, "rows_per_batch": rows, "batches": batches,
+        "dispatches": ["dropless", "capacity"], "compile_and_first_s": first, "evaluation_s": seconds,
+        "train_step_s": step["step_s"], "train_steps_per_evaluation": seconds / step["step_s"],
+        "compiled": evaluator.compiled_shapes(),
+    }  # fmt: skip
 
 
 def time_matmul(m: int, k: int, n: int, dtype: str, min_seconds: float) -> float:
@@ -88,15 +142,14 @@ def time_train_step(
     a measurement of that transient rather than of the dispatch.
     """
     phases = [Phase("bench", 0, 1000)]
-    data = {"phase": "bench", "batch_size": batch, "seq_len": seq}
+    data = {"phase": "bench", "batch_size": batch, "sequence_length": seq}
     run = RunConfig(model=cfg, compute_dtype=dtype, data=data, optimizer={"kind": "adamw", "lr": 0.0})
     run = resolve_run_config(run, phases)
     mesh = make_mesh(mesh_shape)
-    schedule = make_schedule(run, phases)
     source = SyntheticSource(cfg.vocab_size, seq, batch, seed=0)
     sharding = batch_sharding(mesh)
     with jax.set_mesh(mesh):
-        init_fn, step_fn, _ = compile_train_step(run, schedule, mesh)
+        init_fn, step_fn, _ = compile_train_step(run, mesh)
         state = init_fn(jax.random.key(0))
         batches = []
         for i in range(steps + 2):
@@ -237,6 +290,16 @@ def main() -> None:
         )
     capacity, dropless = results["steps"]
     print(f"  dropless / capacity step time: {dropless['step_s'] / capacity['step_s']:.2f}x")
+    evaluation = results["evaluation"] = time_evaluation(args.dtype)
+    print(
+        f"  evaluation at the demo's sizes ({evaluation['sets']} sets x {evaluation['sequences_per_set']} "
+        f"sequences of {DEMO_SEQ}, dropless + capacity, {evaluation['batches']} batches of "
+        f"{evaluation['rows_per_batch']} rows): {evaluation['evaluation_s'] * 1e3:.1f} ms = "
+        f"{evaluation['train_steps_per_evaluation']:.2f} train steps of "
+        f"{evaluation['train_step_s'] * 1e3:.1f} ms (batch {DEMO_BATCH} x seq {DEMO_SEQ}); "
+        f"compile+first {evaluation['compile_and_first_s']:.1f}s, "
+        f"programs {evaluation['compiled']}"
+    )
 
     expert_ratio = None
     if not args.no_expert_parallel:

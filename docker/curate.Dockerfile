@@ -22,8 +22,12 @@ WORKDIR /opt/tokenmill
 COPY pyproject.toml setup.py README.md ./
 COPY src ./src
 # apache-beam stays pinned to the image's own version: the image's boot program expects that SDK.
+# The checks: no trainer in the image, and every module a curate or tokenize stage may load imports
+# (everything but the trainer and the Dask runner, the `train` and `dask` extras); tests/test_clean_install.py
+# runs every shipped recipe on an install of these same files.
 RUN pip install --no-cache-dir ".[dataflow]" gcsfs "apache-beam[gcp]==${BEAM_VERSION}" \
     && pip check \
     && python -c "import importlib.util as u; extra = [m for m in ('jax', 'optax', 'orbax') if u.find_spec(m)]; assert not extra, extra" \
-    && python -c "import sys, tokenmill.pipelines.curate, tokenmill.pipelines.tokenize; assert 'jax' not in sys.modules"
+    && python -c "import sys, tokenmill.pipelines.curate, tokenmill.pipelines.tokenize; assert 'jax' not in sys.modules" \
+    && python -c "import importlib, pkgutil, tokenmill; [importlib.import_module(m.name) for m in pkgutil.walk_packages(tokenmill.__path__, 'tokenmill.') if m.name != 'tokenmill.__main__' and not m.name.startswith(('tokenmill.trainer', 'tokenmill.pipelines.dask_runner'))]"
 # The entrypoint stays the SDK image's own (/opt/apache/beam/boot), which the runners start.

@@ -46,24 +46,26 @@ banner "train a byte-level BPE tokenizer on the curated text"
 "$TOKENMILL" tokenizer train --input "$OUT/curate/curated" --vocab-size 4096 --name tokenmill-bpe-4k \
   --output "$OUT/tokenizer.json"
 
-banner "tokenize the cells into token shards and counts.json"
+banner "tokenize the cells into token shards, held-out slices and counts.json"
+# Held-out slices: 5% of each cell's documents by id hash (the default, 0.5%, suits a web corpus; the sample
+# is a few hundred thousand tokens), at least 2 per cell, so every domain has some held-out text to evaluate on.
 "$TOKENMILL" tokenize --input "$OUT/curate/curated" --output "$OUT/tokens" --tokenizer "$OUT/tokenizer.json" \
-  --overwrite
+  --heldout-fraction 0.05 --heldout-min-documents 2 --overwrite
 
 banner "plan the demo mixture against the token catalog"
 "$TOKENMILL" mixture plan "$MIXTURE" --counts "$OUT/tokens/counts.json"
 
 banner "train the tiny MoE: pretraining"
 # configs/runs/demo.yaml holds the run (model, mixture, optimizer, ...); flags override its fields.
-# --publish: the run page is republished while training, every 20 steps and at each checkpoint, to where the
+# --logging.publish: the run page is republished while training, every 20 steps and at each checkpoint, to where the
 # final report puts it ($OUT/site/run.html), so a follower's link stays the same (docs/reports.md).
 rm -rf "$RUN"
-"$TOKENMILL" train --config "$RUN_CONFIG" --tokens "$OUT/tokens" --phase pretraining --output "$RUN" \
-  --publish "$OUT/site" --publish-every 20
+"$TOKENMILL" train --config "$RUN_CONFIG" --data.tokens "$OUT/tokens" --data.phase pretraining --output "$RUN" \
+  --logging.publish "$OUT/site" --logging.publish_every 20
 
 banner "train the tiny MoE: midtraining, from the last pretraining checkpoint"
-"$TOKENMILL" train --config "$RUN_CONFIG" --tokens "$OUT/tokens" --phase midtraining --output "$RUN" \
-  --publish "$OUT/site" --publish-every 20
+"$TOKENMILL" train --config "$RUN_CONFIG" --data.tokens "$OUT/tokens" --data.phase midtraining --output "$RUN" \
+  --logging.publish "$OUT/site" --logging.publish_every 20
 
 banner "plan the miniature scaling ladder: rungs, tokens per active parameter, mixture slices"
 rm -rf "$LADDER"
@@ -76,7 +78,7 @@ for rung in json.load(open(sys.argv[1]))["rungs"]:
     print(rung["name"], rung["model"], rung["mixture_spec"])' "$LADDER/plan/ladder-plan.json" |
   while read -r name model spec; do
     for phase in pretraining midtraining; do
-      "$TOKENMILL" train --mixture "$spec" --tokens "$OUT/tokens" --phase "$phase" --model "$model" \
+      "$TOKENMILL" train --data.mixture "$spec" --data.tokens "$OUT/tokens" --data.phase "$phase" --model "$model" \
         --output "$LADDER/$name"
     done
   done

@@ -32,6 +32,17 @@ def gcs():
         yield emulator
 
 
+@pytest.fixture(scope="session")
+def web_sample_run(tmp_path_factory) -> tuple[Path, dict]:
+    """`tokenmill curate` of data/sample with configs/curate/web.yaml on 2 workers: (output, stats.json).
+
+    Run once for the session: every test that only reads this run shares it (and must not change it)."""
+    from test_curate import curate
+
+    output = tmp_path_factory.mktemp("web-sample") / "out"
+    return output, curate(output, str(SAMPLE / "*"), workers=2)
+
+
 def run_tokenmill(
     *args: str, check: bool = True, env: dict | None = None, timeout: float = 600, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:

@@ -30,7 +30,7 @@ from pathlib import Path
 BUCKET = "tokenmill-test"
 START_TIMEOUT_S = 30
 # The emulator serves one request at a time from a listen backlog of 5 (socketserver's default); the
-# connections of many concurrent requests (gcsfs's ranged reads: tokenmill.trainer.remote) overflowed it
+# connections of many concurrent requests (gcsfs's ranged reads: tokenmill.trainer.data.remote) overflowed it
 # and waited out TCP's one-second SYN retransmit. Same server, a deeper backlog: they queue instead.
 SERVE = (
     "import socketserver, sys; socketserver.TCPServer.request_queue_size = 1024; "

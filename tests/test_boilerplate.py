@@ -154,7 +154,7 @@ def test_a_sample_of_the_documents_finds_the_lines_and_every_document_is_edited(
     from apache_beam.runners.portability.fn_api_runner import FnApiRunner
     from apache_beam.testing.util import assert_that, equal_to
 
-    from tokenmill.pipelines.boilerplate import LineBoilerplate
+    from tokenmill.pipelines.line_boilerplate import LineBoilerplate
     from tokenmill.pipelines.sinks import stable_hash
 
     documents = [

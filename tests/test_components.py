@@ -18,12 +18,11 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
+from tokenmill.pipelines.dedupe_keys import node_id, node_key
 from tokenmill.pipelines.fuzzy_dedupe import (
     DEFAULT_ROUNDS,
     ConnectedComponents,
     _StatsCombine,
-    node_id,
-    node_key,
     size_bucket,
 )
 

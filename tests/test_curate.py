@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,9 +62,8 @@ def count_input_records(directory: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def sample_run(tmp_path_factory) -> tuple[Path, dict]:
-    output = tmp_path_factory.mktemp("sample") / "out"
-    return output, curate(output, str(SAMPLE / "*"), workers=2)
+def sample_run(web_sample_run) -> tuple[Path, dict]:
+    return web_sample_run  # conftest's: other modules read the same run
 
 
 def test_sample_accounting_balances_and_matches_the_files(sample_run):
@@ -130,8 +130,10 @@ def test_curated_layout_and_schema(sample_run):
         "n_chars",
         "n_words",
         "dup_cluster",
+        "dup_cluster_size",
     ]
     assert str(table.schema.field("quality").type) == "int8"
+    assert str(table.schema.field("dup_cluster_size").type) == "int64"
     ids = table.column("id").to_pylist()
     assert ids == sorted(ids)
     assert pq.ParquetFile(output / files[0]).metadata.row_group(0).column(1).compression == "ZSTD"
@@ -145,13 +147,18 @@ def test_exact_duplicates_keep_the_smallest_id_across_files(sample_run):
     everything = {
         row["id"]: row for row in parquet_rows(output / "curated") + parquet_rows(output / "removed")
     }
+    curated_ids = {row["id"] for row in parquet_rows(output / "curated")}
+    matched = {}
     for row in removed:
-        kept_id = json.loads(row["detail"])["kept_id"]
-        assert kept_id < row["id"]
-        assert everything[kept_id]["text"] == row["text"]
+        detail = json.loads(row["detail"])
+        # The copy the stage kept (matched_id where fuzzy dedupe removed it later); kept_id is in curated/.
+        matched[row["id"]] = detail.get("matched_id", detail["kept_id"])
+        assert matched[row["id"]] < row["id"]
+        assert everything[matched[row["id"]]]["text"] == row["text"]
+        assert detail["kept_id"] in curated_ids
     # The Parquet input repeats JSONL documents: dedupe crossed files and formats.
     assert any(
-        everything[json.loads(row["detail"])["kept_id"]]["source"] == "mixed-000.parquet"
+        everything[matched[row["id"]]]["source"] == "mixed-000.parquet"
         and row["source"].endswith((".jsonl", ".jsonl.gz", ".jsonl.zst"))
         for row in removed
     )
@@ -159,18 +166,28 @@ def test_exact_duplicates_keep_the_smallest_id_across_files(sample_run):
 
 def test_rerun_gives_identical_bytes_whatever_the_worker_count(sample_run, tmp_path, capsys):
     output, _ = sample_run
+    # A folder that holds an earlier run (the 2-worker run's output): refused, then replaced with
+    # --overwrite by a 1-worker run, which must write every byte again (one curate run, not two).
     again = tmp_path / "again"
-    curate(again, str(SAMPLE / "*"), workers=1)
-    assert tree_bytes(again) == tree_bytes(output)
-    # Into the same folder, over its own output: refused, then replaced with --overwrite.
+    shutil.copytree(output, again)
     capsys.readouterr()
     argv = ["curate", "--recipe", str(WEB_RECIPE), "--input", str(SAMPLE / "*"), "--output", str(again)]
     assert main(argv) == 2
     error = capsys.readouterr().err
-    assert "holds an earlier curate run (curated, removed, rejected, stats.json)" in error
+    assert "holds an earlier curate run (curated, removed, rejected, dedupe-index, stats.json)" in error
     assert "pass --overwrite" in error
     assert tree_bytes(again) == tree_bytes(output)  # refused before touching anything
+    # What the rerun must replace: every file of the earlier run spoiled, and one it did not write.
+    for path in sorted(again.rglob("*")):
+        if path.is_file():
+            path.write_bytes(b"spoiled")
+    stale = again / "curated" / "domain=web" / "quality=9" / "part-stale.parquet"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"stale")
+    (again / "notes.txt").write_text("not curate's\n")  # beside the run: --overwrite leaves it
     curate(again, str(SAMPLE / "*"), workers=1, overwrite=True)
+    assert (again / "notes.txt").read_text() == "not curate's\n"
+    (again / "notes.txt").unlink()
     assert tree_bytes(again) == tree_bytes(output)
 
 

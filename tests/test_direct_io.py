@@ -1,4 +1,4 @@
-"""Tests for tokenmill.trainer.direct_io: O_DIRECT reads through Linux native AIO, on real files."""
+"""Tests for tokenmill.trainer.data.direct_io: O_DIRECT reads through Linux native AIO, on real files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from tokenmill.trainer.direct_io import PAGE, DirectIOUnavailable, DirectReader, aligned_buffer
+from tokenmill.trainer.data.direct_io import PAGE, DirectIOUnavailable, DirectReader, aligned_buffer
 
 
 @pytest.fixture(scope="module")

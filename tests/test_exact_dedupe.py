@@ -17,7 +17,9 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.pipeline import PipelineVisitor
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
-from tokenmill.pipelines.exact_dedupe import GROUP_SIZE, DuplicateIdError, ExactDedupe, text_hash
+from tokenmill.corpora.records import DuplicateIdError
+from tokenmill.pipelines.dedupe_keys import text_hash
+from tokenmill.pipelines.exact_dedupe import GROUP_SIZE, ExactDedupe
 
 
 def count_documents(value) -> int:
@@ -208,3 +210,75 @@ def test_two_documents_with_one_id_fail_naming_it(tmp_path):
 def test_group_size_is_checked():
     with pytest.raises(ValueError, match="group_size must be a positive integer"):
         ExactDedupe(group_size=0)
+
+
+def _words(rng: random.Random, count: int) -> str:
+    vocabulary = (
+        "the and of to with that have river stone garden window letter market winter harbour lantern "
+        "orchard meadow village bridge kitchen library morning evening valley forest castle candle"
+    ).split()
+    return " ".join(rng.choice(vocabulary) for _ in range(count)) + "."
+
+
+def test_curate_names_a_kept_document_when_the_kept_copy_is_removed_later(tmp_path):
+    """30 copies of a page whose kept copy (the smallest id) fuzzy dedupe removes for an edited twin, and
+    20 copies of a short page whose kept copy gopher_quality removes: every removal still filed under a
+    dedupe stage names a document of curated/, and the cluster sizes add up."""
+    from tokenmill.cli import main
+    from tokenmill.formats.documents import curated_dataset, removed_dataset
+    from tokenmill.pipelines.dedupe_keys import node_key
+
+    rng = random.Random(5)
+    page = _words(rng, 300)
+    copies = [f"copy-{index:02d}" for index in range(30)]
+    first_copy = f"docs.jsonl:{copies[0]}"
+    # The twin's node must be smaller than the kept copy's, so that fuzzy dedupe keeps the twin.
+    twin = next(
+        name
+        for name in (f"twin-{index}" for index in range(1000))
+        if node_key(f"docs.jsonl:{name}") < node_key(first_copy)
+    )
+    words = page.split()
+    words[150] = "zeppelin"
+    short = "the short notice of the harbour and the river."
+    records = (
+        [{"id": name, "text": page} for name in copies]
+        + [{"id": twin, "text": " ".join(words)}]
+        + [{"id": f"short-{index:02d}", "text": short} for index in range(20)]
+        + [{"id": f"unique-{index:02d}", "text": _words(rng, 120)} for index in range(20)]
+    )
+    rng.shuffle(records)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "docs.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "name: chains\nstages:\n  - exact_dedupe: {}\n  - fuzzy_dedupe: {max_rounds: 4}\n"
+        "  - gopher_quality: {min_doc_words: 50}\n"
+    )
+    output = tmp_path / "out"
+    arguments = ["curate", "--recipe", str(recipe), "--input", str(tmp_path / "in" / "*.jsonl")]
+    assert main([*arguments, "--output", str(output), "--workers", "1"]) == 0
+    stats = json.loads((output / "stats.json").read_text())
+    curated = curated_dataset(str(output / "curated")).to_table().to_pylist()
+    removed = removed_dataset(str(output / "removed")).to_table().to_pylist()
+    sizes = {row["id"]: row["dup_cluster_size"] for row in curated}
+    assert stats["balanced"] and stats["read"]["documents"] == len(records) == len(curated) + len(removed)
+    assert stats["kept"]["documents"] == len(curated) == 1 + 20
+    dedupe = [row for row in removed if row["stage"] in ("exact_dedupe", "fuzzy_dedupe")]
+    assert dedupe and all(json.loads(row["detail"])["kept_id"] in sizes for row in dedupe)
+    twin_id = f"docs.jsonl:{twin}"
+    details = {row["id"]: json.loads(row["detail"]) for row in removed}
+    assert details[first_copy]["kept_id"] == twin_id  # fuzzy dedupe's own removal
+    for name in copies[1:]:
+        assert details[f"docs.jsonl:{name}"]["kept_id"] == twin_id
+        assert details[f"docs.jsonl:{name}"]["matched_id"] == first_copy
+    assert sizes[twin_id] == 31 and sum(sizes.values()) == len(curated) + len(dedupe)
+    # The short page's kept copy failed gopher_quality; its 19 copies went with it, under that reason.
+    short_removed = [row for row in removed if row["id"].startswith("docs.jsonl:short-")]
+    assert {(row["stage"], row["reason"]) for row in short_removed} == {
+        ("gopher_quality", "gopher_short_doc")
+    }
+    assert {details[row["id"]].get("removed_with") for row in short_removed} == {"docs.jsonl:short-00", None}
+    assert stats["removed_by_reason"]["gopher_quality/gopher_short_doc"]["documents"] == 20
+    assert stats["stages"]["dedupe_clusters"]["removed_with_representative"] == 19
+    assert stats["stages"]["dedupe_clusters"]["kept_id_moved"] == 29

@@ -1,4 +1,4 @@
-"""Expert parallelism (trainer/expert_parallel.py) on 8 simulated CPU devices against the single-device block.
+"""Expert parallelism (model/expert_parallel.py) on 8 simulated CPU devices against the single-device block.
 
 XLA reads the device count when jax is first imported, and this test process may have imported jax already,
 so each check runs in a fresh Python process with XLA_FLAGS set before the import (as in
@@ -19,9 +19,9 @@ COMMON = textwrap.dedent(
     """
     import json, logging, math
     import jax, jax.numpy as jnp, numpy as np
-    from tokenmill.trainer import expert_parallel, moe
-    from tokenmill.trainer.config import ModelConfig, MoEConfig
-    from tokenmill.trainer.sharding import make_mesh
+    from tokenmill.trainer.model import expert_parallel, moe, router
+    from tokenmill.trainer.model.shape import ModelConfig, MoEConfig
+    from tokenmill.trainer.model.sharding import make_mesh
 
     assert jax.device_count() == 8, jax.devices()
 
@@ -29,7 +29,7 @@ COMMON = textwrap.dedent(
         fields = dict(n_experts=8, top_k=2, expert_hidden=12)
         fields.update(moe_fields)
         return ModelConfig(name="t", vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                           head_dim=8, seq_len=8, moe=MoEConfig(**fields))
+                           head_dim=8, sequence_length=8, moe=MoEConfig(**fields))
 
     def inputs(cfg, batch, seq, seed=0):
         # Weights scaled up from the init so that outputs and gradients are O(1) and differences show.
@@ -54,7 +54,7 @@ COMMON = textwrap.dedent(
 
         def both(p, x):
             grad = lambda *args: jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x, *args)
-            routing = moe.route(x.reshape(batch * seq, -1), p["router"], bias, reference_moe)
+            routing = router.route(x.reshape(batch * seq, -1), p["router"], bias, reference_moe)
             return grad(reference_moe), grad(cfg.moe, transport), routing.expert_ids
 
         with jax.set_mesh(make_mesh(mesh_shape)):
@@ -231,26 +231,26 @@ def test_unsupported_layouts_are_refused_with_the_reason(measured):
 
 
 TRAIN_STEP = """
-from tokenmill.trainer.data import SyntheticSource
-from tokenmill.trainer.run_config import RunConfig, resolve_run_config
-from tokenmill.trainer.sharding import batch_sharding
-from tokenmill.trainer.train import Phase, compile_train_step, make_schedule
+from tokenmill.trainer.data.batch import SyntheticSource
+from tokenmill.trainer.run.config import Phase, RunConfig, resolve_run_config
+from tokenmill.trainer.model.sharding import batch_sharding
+from tokenmill.trainer.run.step import compile_train_step
 
 for dispatch in ("capacity", "dropless"):
     cfg = ModelConfig(
-        name="t", vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, seq_len=16,
+        name="t", vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+        sequence_length=16,
         moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=16, n_shared_experts=1, dispatch=dispatch,
                       capacity_factor=100.0),
     )
     phases = [Phase("pretraining", 0, 2)]
-    run = resolve_run_config(RunConfig(model=cfg, data={"batch_size": 8, "seq_len": 16},
+    run = resolve_run_config(RunConfig(model=cfg, data={"batch_size": 8, "sequence_length": 16},
                                        optimizer={"kind": "adamw", "lr": 1e-2}), phases)
-    schedule = make_schedule(run, phases)
     source = SyntheticSource(128, 16, 8, seed=0, active_vocab=64)
     for mesh_shape in ((1, 1, 1), (1, 2, 4)):
         mesh = make_mesh(mesh_shape)
         with jax.set_mesh(mesh):
-            init_fn, step_fn, _ = compile_train_step(run, schedule, mesh)
+            init_fn, step_fn, _ = compile_train_step(run, mesh)
             state = init_fn(jax.random.key(0))
             rows = []
             for i in range(2):

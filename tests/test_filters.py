@@ -9,11 +9,12 @@ import pytest
 from conftest import SAMPLE
 from datatrove.data import Document
 
+from tokenmill.corpora.readers import read_file
+from tokenmill.corpora.records import InputFields
 from tokenmill.filters.heuristics import HeuristicFilter, datatrove_filter_class
 from tokenmill.filters.language import LanguageFilter
 from tokenmill.filters.normalize import Normalize
 from tokenmill.formats.documents import curated_dataset, removed_dataset
-from tokenmill.pipelines.readers import InputFields, read_file
 from tokenmill.pipelines.recipe import RecipeError, build_steps, load_recipe
 
 KINDS = ["gopher_repetition", "gopher_quality", "fineweb_quality", "c4"]
@@ -123,14 +124,14 @@ def test_recipe_builds_steps_in_order():
 
 def test_shared_word_splitting_does_not_grow_the_vocabulary_with_the_corpus():
     """Every new token spaCy meets is interned for the life of the worker unless split in a memory zone:
-    on web text (URLs, numbers, typos) that is memory growing with the corpus."""
+    on web text (URLs, numbers, typos) that is memory growing with the corpus. A worker keeps the strings
+    of its first batches (up to `permanent_strings`, so common words hit spaCy's cache) and no more."""
     import random
 
     from tokenmill.filters.heuristics import SharedWordTokenizer
 
-    words = SharedWordTokenizer("en")
-    strings = words._reference.tokenizer.vocab.strings
-    words.prime(["warm up the tokenizer with a sentence."])
+    words = SharedWordTokenizer("en", permanent_strings=3000)
+    strings = words._nlp.vocab.strings
     before = len(strings)
     rng = random.Random(3)
     for _ in range(20):
@@ -140,4 +141,63 @@ def test_shared_word_splitting_does_not_grow_the_vocabulary_with_the_corpus():
         ]
         words.prime(texts)
         assert len(words.word_tokenize(texts[0])) == 40  # answered from the primed batch
-    assert len(strings) - before < 100  # 40,000 distinct words were split
+    grown = len(strings) - before
+    # 40,000 distinct words were split: the permanent ones, plus at most the batch that crossed the bound.
+    assert 3000 <= grown < 3000 + 2000
+    assert not words.permanent()
+
+
+def _tricky_texts() -> list[str]:
+    return [
+        "Hello world.  Next one!\n\n  indented line here... yes? no.\tTab\u00a0nbsp. end",
+        'a.b. c. (d.) "e." f\nDr. Smith went. U.S.A. is big! Really?!? Yes.\n\n\n',
+        "Lines [1] with citations [edit] stay.\nhttp://example.com/a.b?c=d. Then 3.5 km... ok!",
+        "",
+        "   \n \t \n",
+    ]
+
+
+def test_sentences_from_the_shared_split_are_spacys_sentencizer_line_by_line():
+    """C4 counts the sentences of each kept line; the shared split answers from the document's tokens
+    exactly what datatrove's spaCy pipeline gives for the line alone, and for the whole text."""
+    from tokenmill.filters.heuristics import SharedWordTokenizer
+
+    texts = [d["text"] for d in sample_texts()] + _tricky_texts()
+    words = SharedWordTokenizer("en")
+    reference = words._reference
+    lines = 0
+    for start in range(0, len(texts), 256):
+        batch = texts[start : start + 256]
+        words.prime(batch)
+        splits = words.splits
+        for text in batch:
+            assert words.word_tokenize(text) == reference.word_tokenize(text)
+            assert words.span_tokenize(text) == reference.span_tokenize(text)
+            words.focus(text)
+            for line in text.splitlines():
+                if line.strip():
+                    lines += 1
+                    assert words.span_tokenize(line.strip()) == reference.span_tokenize(line.strip()), line
+        assert words.splits == splits  # every answer came from the batch's one split per text
+    assert lines > 5000
+
+
+def test_the_whole_chain_splits_each_document_once():
+    """Four filters, at most one spaCy split per document (a text repeated within a batch is split once;
+    C4 re-splits only a line it edited)."""
+    documents = sample_texts()
+    steps = [HeuristicFilter(kind, {}) for kind in KINDS]
+    for step in steps:
+        step.setup()
+    words = steps[0]._words
+    assert all(step._words is words for step in steps)
+    before = words.splits
+    edited = 0
+    for start in range(0, len(documents), 256):
+        batch = documents[start : start + 256]
+        for step in steps:
+            batch = [d for d, verdict in zip(batch, step.apply(batch)) if verdict is None]
+        edited += sum(d["text"].count("[edit]") + d["text"].count("[citation needed]") for d in batch)
+    distinct = len({d["text"] for d in documents})
+    assert distinct <= words.splits - before <= len(documents) + edited
+    assert len(documents) > distinct  # the sample repeats texts: they count once per batch

@@ -17,21 +17,24 @@ from conftest import tree_bytes
 from test_exact_dedupe import run as run_probed
 
 from tokenmill.cli import main
+from tokenmill.corpora.records import DuplicateIdError
 from tokenmill.filters.minhash import (
     MinHasher,
     collision_probability,
+    compact_signatures,
     containment,
+    containment_from_jaccard,
+    distinct_counts,
     estimated_jaccard,
+    estimated_jaccard_from_agreement,
     jaccard,
     words,
 )
-from tokenmill.pipelines.exact_dedupe import DuplicateIdError
+from tokenmill.pipelines.dedupe_keys import node_id, node_key
 from tokenmill.pipelines.fuzzy_dedupe import (
     ConnectedComponents,
     FuzzyDedupe,
     _StatsCombine,
-    node_id,
-    node_key,
     size_bucket,
 )
 from tokenmill.pipelines.recipe import RecipeError, build_steps, load_recipe
@@ -182,6 +185,36 @@ def test_estimated_jaccard_is_unbiased():
     assert float(np.std(errors)) < 0.06  # sqrt(J(1-J)/112) is at most 0.047
 
 
+def test_compact_signatures_distinct_counts_and_estimated_containment():
+    rng = random.Random(12)
+    vocab = vocabulary(rng)
+    hasher = MinHasher()
+    texts = [" ".join(prose(rng, vocab, rng.randint(0, 400))) for _ in range(40)]
+    texts += ["a b c a b c a b c", "one two three four five one two three four five"]  # repeated shingles
+    shingles, offsets = hasher.shingle_batch(texts)
+    assert distinct_counts(shingles, offsets).tolist() == [len(hasher.shingles(text)) for text in texts]
+    errors = []
+    for _ in range(60):
+        base = prose(rng, vocab, 400)
+        part = base[: rng.randint(100, 400)]
+        a, b = " ".join(edit(rng, part, rng.uniform(0.0, 0.05))), " ".join(base)
+        signatures, _ = hasher.signatures([a, b])
+        compact = compact_signatures(signatures)
+        assert compact.dtype == np.uint16
+        equal_rows = int((compact[0] == compact[1]).sum())
+        # 16 of the 32 bits: the same estimate as the full signatures but for rare chance agreements.
+        estimate = float(estimated_jaccard_from_agreement(equal_rows, hasher.num_perm))
+        assert abs(estimate - estimated_jaccard(signatures[0], signatures[1])) < 0.02
+        mine, theirs = hasher.shingles(a), hasher.shingles(b)
+        # With the true Jaccard, containment follows exactly from the set sizes; with the estimate, nearly.
+        exact = containment_from_jaccard(jaccard(mine, theirs), len(mine), len(theirs))
+        assert float(exact) == pytest.approx(containment(mine, theirs))
+        errors.append(
+            float(containment_from_jaccard(estimate, len(mine), len(theirs))) - containment(mine, theirs)
+        )
+    assert abs(float(np.mean(errors))) < 0.03 and float(np.std(errors)) < 0.1
+
+
 def test_words_lowercase_and_split_on_anything_but_letters_and_digits():
     assert words("Hello, World! It's 2024_x") == ["hello", "world", "it", "s", "2024", "x"]
     assert words("Ünïcode “quotes” — and naïve café…") == ["ünïcode", "quotes", "and", "naïve", "café"]
@@ -256,7 +289,8 @@ def test_planted_near_duplicates_are_found_and_distinct_documents_kept(tmp_path)
     for identifier, row in removed.items():
         detail = json.loads(row["detail"])
         assert (row["stage"], row["reason"]) == ("fuzzy_dedupe", "near_duplicate")
-        assert detail["kept_id"] == row["dup_cluster"] == roots[identifier] and detail["containment"] >= 0.7
+        assert detail["kept_id"] == row["dup_cluster"] == roots[identifier]
+        assert detail["component_size"] == len(groups[planted.get(identifier, identifier)])
         assert kept[roots[identifier]]["dup_cluster"] == roots[identifier]
     assert all(
         document.get("dup_cluster") is None
@@ -270,6 +304,8 @@ def test_planted_near_duplicates_are_found_and_distinct_documents_kept(tmp_path)
     # Star edges, each member to its bucket's smallest node: one or two per component, and a few more
     # where the members of a component fall into buckets differently.
     assert 60 <= stats["candidate_pairs"] <= 80
+    # Every candidate pair was compared (no bucket near the cap), and the planted ones were similar.
+    assert stats["verified_pairs"] >= stats["similar_pairs"] >= 60 and stats["capped_buckets"] == 0
     assert stats["removed_characters"] == sum(len(row["text"]) for row in removed.values())
 
 
@@ -283,38 +319,114 @@ def chain_documents(length: int = 10, window: int = 300, shift: int = 20) -> lis
     ]
 
 
-def test_transitive_chains_without_and_with_verification(tmp_path):
+def test_a_chain_of_near_duplicates_is_one_component_and_the_threshold_decides_the_links(tmp_path):
     documents = chain_documents()
     hasher = MinHasher()
-    assert shingle_jaccard(hasher, documents[0]["text"], documents[9]["text"]) < 0.3  # A~B~...~J, not A~J
-    plain, verified, strict = run_stages(
+    neighbours = [shingle_jaccard(hasher, documents[i]["text"], documents[i + 1]["text"]) for i in range(9)]
+    assert min(neighbours) > 0.8  # each window is a near duplicate of the next ...
+    assert shingle_jaccard(hasher, documents[0]["text"], documents[9]["text"]) < 0.3  # ... not of the tenth
+    plain, verified, strict, containing = run_stages(
         documents,
         tmp_path,
         {"verify": "none"},
-        {"verify": "containment", "threshold": 0.7},
         {"verify": "jaccard", "threshold": 0.7},
+        {"verify": "jaccard", "threshold": 0.99},
+        {"verify": "containment", "threshold": 0.99},
     )
-    # Without verification the chain is one component: only its smallest node is kept, which is c06
-    # (node keys in order: c06, c07, c03, c09, c02, c01, c05, c04, c08, c00).
+    # Components are transitive: verified links between neighbours make one component, and its smallest
+    # node is kept (node keys in order: c06, c07, c03, c09, c02, c01, c05, c04, c08, c00).
     assert min((d["id"] for d in documents), key=node_key) == "c06"
+    for kept, removed, stats in (plain, verified):
+        assert set(kept) == {"c06"} and len(removed) == 9
+        assert {json.loads(row["detail"])["kept_id"] for row in removed.values()} == {"c06"}
+        assert stats["components"] == 1 and stats["component_sizes"] == {"9-16": 1}
+    assert plain[2]["verified_pairs"] == 0 and verified[2]["verified_pairs"] > 0
+    # Above the neighbours' similarity no pair is a near duplicate: every window stays, in no component.
+    for kept, removed, stats in (strict, containing):
+        assert removed == {} and len(kept) == 10 and stats["components"] == 0
+        assert stats["verified_pairs"] > 0 and stats["similar_pairs"] == 0
+        assert all(document.get("dup_cluster") is None for document in kept.values())
+
+
+def template_corpus(pages: int = 240, twins: int = 30) -> tuple[list[dict], dict[str, str]]:
+    """Pages of one generated reference: 600 words of shared template (true Jaccard about 0.43 between
+    any two pages) and 400 of their own; `twins` pages have a near copy (1% of words edited)."""
+    rng = random.Random(21)
+    vocab = vocabulary(rng, 8000)
+    template = prose(rng, vocab, 600)
+    documents, twin_of = [], {}
+    for number in range(pages):
+        cut = rng.randint(100, 500)
+        text = template[:cut] + prose(rng, vocab, 400) + template[cut:]
+        documents.append({"id": f"page{number:03d}", "text": " ".join(text)})
+        if number < twins:
+            documents.append({"id": f"twin{number:03d}", "text": " ".join(edit(rng, text, 0.01))})
+            twin_of[f"twin{number:03d}"] = f"page{number:03d}"
+    return documents, twin_of
+
+
+def best_kept_similarity(hasher: MinHasher, removed: dict, kept: dict) -> dict[str, float]:
+    """Each removed document's highest Jaccard similarity to any kept document."""
+    kept_shingles = [hasher.shingles(document["text"]) for document in kept.values()]
+    return {
+        identifier: max(jaccard(hasher.shingles(row["text"]), other) for other in kept_shingles)
+        for identifier, row in removed.items()
+    }
+
+
+def test_boilerplate_chains_remove_nothing_and_near_identical_pairs_never_both_survive(tmp_path):
+    documents, twin_of = template_corpus()
+    texts = {document["id"]: document["text"] for document in documents}
+    hasher = MinHasher()
+    assert 0.35 < shingle_jaccard(hasher, texts["page000"], texts["page100"]) < 0.5
+    assert min(shingle_jaccard(hasher, texts[t], texts[p]) for t, p in twin_of.items()) > 0.9
+    plain, verified, capped = run_stages(
+        documents,
+        tmp_path,
+        {"verify": "none"},
+        {},
+        {"bucket_cap": 3, "representatives": 2},
+    )
+    # LSH alone: the template's bands put pages into shared buckets, and components chain them, so pages
+    # go that share less than half their 5-grams with every page that stays.
     kept, removed, stats = plain
-    assert set(kept) == {"c06"} and len(removed) == 9
-    assert {json.loads(row["detail"])["kept_id"] for row in removed.values()} == {"c06"}
-    assert stats["components"] == 1 and stats["component_sizes"] == {"9-16": 1}
-    # With containment verification a member goes only if enough of it is in c06: the far end stays,
-    # still marked as part of c06's component.
+    assert stats["largest_bucket"] > 3 and stats["largest_component"] > 20
+    assert sum(1 for value in best_kept_similarity(hasher, removed, kept).values() if value < 0.5) > 20
+    # Verified edges: exactly one of each twin pair goes, naming the other, and nothing else.
     kept, removed, stats = verified
-    for row in removed.values():
-        assert containment(hasher.shingles(row["text"]), hasher.shingles(documents[6]["text"])) >= 0.7
-    # (containment in c06: 0.93 for c05 and c07, 0.86 for c04 and c08, 0.80, 0.73 for c02, then 0.66 for
-    # c01 and 0.59 for c00)
-    assert set(removed) == {"c02", "c03", "c04", "c05", "c07", "c08", "c09"}
-    assert set(kept) == {"c00", "c01", "c06"}
-    assert all(row["dup_cluster"] == "c06" for row in [*kept.values(), *removed.values()])
-    assert stats["verification_kept"] == len(kept) - 1
-    # True Jaccard is stricter than containment for documents of equal length (0.87, 0.76, then 0.66).
-    _, removed_jaccard, _ = strict
-    assert set(removed_jaccard) == {"c04", "c05", "c07", "c08"}
+    assert set(removed) == {max(pair, key=node_key) for pair in twin_of.items()}
+    for identifier, row in removed.items():
+        partner = twin_of.get(identifier) or f"twin{identifier[4:]}"
+        assert json.loads(row["detail"])["kept_id"] == partner and partner in kept
+    assert stats["components"] == len(twin_of) and stats["capped_buckets"] == 0
+    assert stats["verified_pairs"] > stats["similar_pairs"] >= len(twin_of)
+    # Buckets over a cap of 3: each member is compared with 2 representatives only, what was not compared
+    # is counted, and a cap never removes anything that verification would keep.
+    kept_capped, removed_capped, stats = capped
+    assert stats["capped_buckets"] > 0 and stats["capped_members"] > 0
+    assert stats["capped_pairs"] == stats["bucket_pairs"] - stats["verified_pairs"] > 0
+    assert set(removed_capped) <= set(removed)
+    assert all(value > 0.9 for value in best_kept_similarity(hasher, removed_capped, kept_capped).values())
+
+
+def test_one_pass_is_enough_a_rerun_on_the_kept_documents_removes_nothing(tmp_path):
+    documents, _ = template_corpus(pages=120, twins=40)
+    rng = random.Random(22)
+    # Add chains and clusters of copies at the edge of the threshold, where the second pass of a
+    # root-verified dedupe would find more.
+    base = documents[0]["text"].split()
+    for number in range(30):
+        documents.append(
+            {"id": f"edge{number:02d}", "text": " ".join(edit(rng, base, rng.uniform(0.03, 0.08)))}
+        )
+    documents += chain_documents(length=12, shift=15)
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+    ((kept, removed, stats),) = run_stages(documents, tmp_path / "first", {})
+    assert len(removed) > 40 and stats["capped_buckets"] == 0
+    ((kept_again, removed_again, stats_again),) = run_stages(list(kept.values()), tmp_path / "second", {})
+    assert removed_again == {} and set(kept_again) == set(kept)
+    assert stats_again["components"] == 0
 
 
 def test_connected_components_converge_to_the_smallest_node_whatever_the_rounds(tmp_path):
@@ -362,9 +474,9 @@ def test_empty_one_word_and_very_long_documents_in_the_stage(tmp_path):
     assert stats["documents"] == 0 and stats["components"] == 0 and stats["residual_edges"] == 0
 
 
-def test_only_ids_move_until_the_join_and_verification_groups_are_salted(tmp_path):
-    # 61 light copies of one text (one component) among 40 unrelated documents, verified in groups of
-    # at most ~8 members: the root's shingles go to each group, never to each member.
+def test_only_ids_and_signatures_move_until_the_join_and_big_buckets_are_capped(tmp_path):
+    # 61 light copies of one text (one component) among 40 unrelated documents, with buckets capped at 8
+    # members: each copy is verified against the bucket's 2 smallest members, never held with the others.
     rng = random.Random(9)
     vocab = vocabulary(rng)
     base = prose(rng, vocab, 300)
@@ -373,25 +485,19 @@ def test_only_ids_move_until_the_join_and_verification_groups_are_salted(tmp_pat
         {"id": f"other{index:02d}", "text": " ".join(prose(rng, vocab, 200))} for index in range(40)
     ]
     kept, removed, probe = run_probed(
-        documents, tmp_path / "salted", FuzzyDedupe(max_rounds=4, verify_group_size=8)
+        documents, tmp_path / "capped", FuzzyDedupe(max_rounds=4, bucket_cap=8, representatives=2)
     )
     root = min((d["id"] for d in documents if d["id"].startswith("copy")), key=node_key)
     assert set(kept) == {root} | {d["id"] for d in documents if d["id"].startswith("other")}
     assert len(removed) == 60 and {json.loads(row["detail"])["kept_id"] for row in removed.values()} == {root}
-    # Band buckets and component rounds group node keys only; whole documents are in two kinds of group:
-    # the join by id (one document each) and the salted verification groups (members and the root's
-    # shingles: ceil(61 / 8) = 8 groups of about 8 members, not one of 60).
+    # Band buckets and component rounds group node keys and signatures only; whole documents are grouped
+    # once, by id, one document each.
     carrying = {label: counts for label, counts in probe.items() if counts[1]}
-    assert set(carrying) == {"JoinById", "GroupBySaltedRoot"}
-    assert carrying["JoinById"] == (2, 1)
-    most_values, most_documents = carrying["GroupBySaltedRoot"]
-    assert most_values == most_documents + 1 and 8 <= most_documents <= 20
-    # The same decisions as one unsalted group.
-    unsalted_kept, unsalted_removed, unsalted_probe = run_probed(
-        documents, tmp_path / "one", FuzzyDedupe(max_rounds=4)
-    )
-    assert set(unsalted_kept) == set(kept) and unsalted_removed == removed
-    assert unsalted_probe["GroupBySaltedRoot"] == (61, 60)
+    assert carrying == {"JoinById": (2, 1)}
+    assert probe["GroupByBand"][0] > 50  # a bucket of most copies, over the cap: streamed, not held
+    # The same decisions without the cap.
+    uncapped_kept, uncapped_removed, _ = run_probed(documents, tmp_path / "one", FuzzyDedupe(max_rounds=4))
+    assert set(uncapped_kept) == set(kept) and uncapped_removed == removed
 
 
 def test_two_documents_with_one_id_fail_naming_it(tmp_path):
@@ -408,6 +514,9 @@ def test_recipe_parameters_are_checked(tmp_path):
         ("{bands: 0}", "bands must be"),
         ("{threshold: 1.5}", "threshold must be"),
         ("{on_unconverged: keep}", "on_unconverged is gone: connected components now always converge"),
+        ("{verify_group_size: 100}", "verify_group_size is gone: candidate pairs are now verified"),
+        ("{bucket_cap: 4, representatives: 8}", "representatives .8. must not exceed bucket_cap .4."),
+        ("{bucket_cap: 0}", "bucket_cap must be a positive integer"),
         ("{shingle_size: 5}", "shingle_size"),
     ):
         recipe.write_text(f"name: r\nstages:\n  - fuzzy_dedupe: {bad}\n")

@@ -23,8 +23,8 @@ from fsspec.spec import AbstractBufferedFile
 
 from tokenmill import storage
 from tokenmill.cli import main
+from tokenmill.corpora import records
 from tokenmill.formats.documents import curated_dataset
-from tokenmill.pipelines import readers
 
 PLAIN_RECIPE = "name: plain\nstages:\n  - exact_dedupe: {}\n"
 
@@ -271,7 +271,7 @@ def test_a_300_mb_line_is_rejected_and_the_run_stays_small(tmp_path):
     for record in rejected:
         assert f"a line of {big_line:,} bytes" in record["error"]
         assert record["raw_truncated"] and record["raw"].startswith('{"id": "big", "text": "huge huge')
-        assert len(record["raw"]) == readers.RAW_LIMIT
+        assert len(record["raw"]) == records.RAW_LIMIT
     ids = curated_dataset(str(output / "curated")).to_table().column("id").to_pylist()
     assert sorted(ids) == sorted(
         [f"big.jsonl:p{i}" for i in range(10)] + [f"big.jsonl.zst:z{i}" for i in range(10)]

@@ -1,22 +1,27 @@
 """The scaling ladder: rung plans for the shipped family, slices that repeat sources as the big run does, the
 fit on synthetic loss curves with known parameters (noise-free and noisy, with band coverage), the command
-line's errors, and the forecast on the run page. One slow test trains three tiny rungs for real."""
+line's errors, and the forecast on the run page; fits of held-out evaluation metrics on eval.jsonl rows
+written through tokenmill.formats.evals, and the default metric. One slow test trains three tiny rungs for
+real."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tokenmill.cli import main
+from tokenmill.formats.evals import averages, eval_line, set_record
 from tokenmill.mixtures import load_mixture, plan_mixture
 from tokenmill.samples.report_inputs import ReportInputs, make_report_inputs
-from tokenmill.trainer.config import load_model_config
-from tokenmill.trainer.flops import count_params, flops_per_token, forecast_flops_per_token
-from tokenmill.trainer.ladder import RunCurve, fit_ladder, load_ladder, plan_ladder, read_run
+from tokenmill.trainer.ladder import MARIN_FRACTIONS, RunCurve, fit_ladder, load_ladder, plan_ladder, read_run
+from tokenmill.trainer.model.flops import count_params, flops_per_token, forecast_flops_per_token
+from tokenmill.trainer.model.shape import load_model_config
 
 REPO = Path(__file__).resolve().parents[1]
 MARIN = REPO / "configs" / "ladders" / "marin.yaml"
@@ -159,7 +164,7 @@ def marin_runs(root: Path, sigma: float = 0.0, seed: int = 0, with_model: bool =
     paths = []
     for name, planned in zip(MARIN_MODELS, MARIN_STEPS, strict=True):
         cfg = load_model_config(REPO / "configs" / "models" / f"{name}.yaml")
-        per_step = forecast_flops_per_token(cfg, cfg.seq_len) * 1024
+        per_step = forecast_flops_per_token(cfg, cfg.sequence_length) * 1024
         s = np.arange(planned)
         loss = marin_law(per_step * (s + 1), (s + 1) / planned) + sigma * rng.standard_normal(planned)
         curve = RunCurve(name, name, s, loss, (s + 1) * flops_per_token(cfg) * 1024.0, planned, 1)
@@ -167,7 +172,7 @@ def marin_runs(root: Path, sigma: float = 0.0, seed: int = 0, with_model: bool =
         config = json.loads((root_run / "config.json").read_text())
         if with_model:
             config["model"] = cfg.model_dump()
-        config["plan"]["sequence_length"] = cfg.seq_len
+        config["plan"]["sequence_length"] = cfg.sequence_length
         (root_run / "config.json").write_text(json.dumps(config))
         paths.append(root_run)
     return paths
@@ -233,7 +238,7 @@ def test_fit_command_with_marins_procedure(tmp_path: Path, capsys: pytest.Captur
     assert "Marin's procedure, C Marin's forecast C" in out and "L = 1.5 + A_f * C^-alpha_f" in out
     ladder = json.loads((tmp_path / "ladder" / "ladder.json").read_text())
     cfg = load_model_config(REPO / "configs" / "models" / "tiny-marin.yaml")
-    assert ladder["target"]["flops"] == forecast_flops_per_token(cfg, cfg.seq_len) * 10 * 10**9
+    assert ladder["target"]["flops"] == forecast_flops_per_token(cfg, cfg.sequence_length) * 10 * 10**9
     assert len(ladder["forecast"]) == 20 and ladder["fit"]["E"] == 1.5
 
 
@@ -421,7 +426,8 @@ def test_fit_command_and_the_forecast_on_the_run_page(
     assert 'id="ladder-forecast"' in html
     assert 'data-chart="Loss against training compute"' in html
     assert 'data-chart="Forecast against this run"' in html  # the page's run is the target
-    assert "forecast final loss" in html and f"{ladder['final']['loss']:.4f}" in html
+    assert "forecast final training loss" in html and f"{ladder['final']['loss']:.4f}" in html
+    assert "training loss (loss)" in html  # the forecast names its metric
     assert (site / "data" / "run" / "ladder.json").read_bytes() == written.read_bytes()
     again = report(tmp_path / "site-again", "--run", str(target), "--ladder", str(written))
     assert (again / "run.html").read_bytes() == (site / "run.html").read_bytes()
@@ -441,6 +447,173 @@ def test_fit_command_and_the_forecast_on_the_run_page(
     assert f"{tmp_path / 'bad.json'}: not a ladder fit" in capsys.readouterr().err
 
 
+# --- held-out evaluation metrics ---------------------------------------------------------------------------
+
+# The held-out macro bits per byte follows its own law (the training loss of the same runs follows the first
+# law above, so a fit that read the wrong file would find E = 1.8).
+EVAL_E, EVAL_A, EVAL_ALPHA = 0.7, 300.0, 0.15
+HELDOUT = ("heldout/domain=code", "heldout/domain=web")
+SPREAD = 0.05  # the web slice sits this far above the macro average, the code slice as far below
+
+
+def write_evals(run: Path, steps: list[int], value: Callable[[int], float], measure: str) -> None:
+    """eval.jsonl through tokenmill.formats.evals: two held-out slices at `steps` (steps trained) whose
+    macro average of `measure` is value(step) exactly, and the averages."""
+    lines = []
+    for step in steps:
+        records = []
+        for name, offset in zip(HELDOUT, (-SPREAD, SPREAD), strict=True):
+            tokens, num_bytes = 1000, 4100
+            wanted = value(step) + offset
+            nll = wanted * tokens if measure == "loss" else wanted * math.log(2) * num_bytes
+            records.append(
+                set_record(step=step, name=name, kind="heldout", nll_nats=nll, tokens=tokens,
+                           num_bytes=num_bytes, sequences=4, phase="pretraining", tokens_trained=step * 1024)
+            )  # fmt: skip
+        lines += [eval_line(record) for record in [*records, *averages(records)]]
+    (run / "eval.jsonl").write_text("".join(lines))
+
+
+def eval_law(compute: float) -> float:
+    return EVAL_E + EVAL_A * compute**-EVAL_ALPHA
+
+
+def evaluated_runs(root: Path, every: float = 0.05, without: tuple[int, ...] = ()) -> list[Path]:
+    """The synthetic rungs, each evaluated every `every` of its planned steps (none for rungs `without`)."""
+    paths = synthetic_runs(root, 0.02, 7, True)
+    for index, (path, (planned, step_flops)) in enumerate(zip(paths, RUNGS, strict=True)):
+        if index not in without:
+            stride = round(every * planned)
+            write_evals(path, list(range(stride, planned + 1, stride)),
+                        lambda s, f=step_flops: eval_law(s * f), "bits_per_byte")  # fmt: skip
+    return paths
+
+
+def test_default_metric_is_the_held_out_macro_bits_per_byte_and_the_fit_recovers_its_law(
+    tmp_path: Path,
+) -> None:
+    runs = [read_run(str(path)) for path in evaluated_runs(tmp_path)]
+    result = fit_ladder(runs, {"flops": TARGET}, bootstrap=20)
+    metric = result["metric"]
+    assert metric["name"] == "eval:heldout_macro:bits_per_byte" and metric["source"] == "eval.jsonl"
+    assert metric["label"] == "held-out macro bits per byte" and metric["chosen"].startswith("default")
+    fit = result["fit"]
+    # Evaluations are read as they are (no smoothing): the law comes back to float precision.
+    assert fit["E"] == pytest.approx(EVAL_E, rel=1e-4)
+    assert fit["alpha"] == pytest.approx(EVAL_ALPHA, rel=1e-4)
+    for fraction in ("0.25", "0.5", "0.75", "1.0"):
+        assert fit["A"][fraction] == pytest.approx(EVAL_A, rel=1e-3)
+    assert result["final"]["loss"] == pytest.approx(eval_law(TARGET), rel=1e-5)
+    # Each point is the evaluation at the step completing its fraction, priced at its own compute.
+    point = next(p for p in result["points"] if p["fraction"] == 0.5 and p["run"].endswith("rung-2"))
+    assert point["step"] == 800 and point["flops"] == pytest.approx(800 * RUNGS[2][1])
+    assert not result["warnings"]
+
+
+def test_an_evaluation_set_by_name(tmp_path: Path) -> None:
+    runs = [read_run(str(path)) for path in evaluated_runs(tmp_path)]
+    result = fit_ladder(runs, {"flops": TARGET}, bootstrap=0, metric="eval:heldout/domain=web:bits_per_byte")
+    assert result["metric"]["chosen"] == "given with --metric"
+    assert result["metric"]["label"] == "heldout/domain=web bits per byte"
+    assert result["fit"]["E"] == pytest.approx(EVAL_E + SPREAD, rel=1e-4)  # the slice sits SPREAD higher
+    training = fit_ladder(runs, {"flops": TARGET}, bootstrap=0, metric="loss")
+    assert training["metric"]["source"] == "metrics.jsonl"
+    assert training["fit"]["E"] == pytest.approx(E, rel=0.05)  # the training loss's own law
+    with pytest.raises(ValueError, match="no such evaluation records in .*rung-0.*heldout/domain=code"):
+        fit_ladder(runs, {"flops": TARGET}, metric="eval:paloma-c4:loss")
+    with pytest.raises(ValueError, match="loss or bits_per_byte"):
+        fit_ladder(runs, {"flops": TARGET}, metric="eval:heldout_macro:perplexity")
+
+
+def test_without_evaluations_the_default_is_training_loss_and_says_so(tmp_path: Path) -> None:
+    none = [read_run(str(path)) for path in synthetic_runs(tmp_path / "none", 0.0, 0, False)]
+    result = fit_ladder(none, {"flops": TARGET}, bootstrap=0)
+    assert result["metric"]["name"] == "loss" and result["metric"]["label"] == "training loss"
+    assert result["metric"]["chosen"] == "default: no run has held-out evaluation records (eval.jsonl)"
+    some = [read_run(str(path)) for path in evaluated_runs(tmp_path / "some", without=(1,))]
+    result = fit_ladder(some, {"flops": TARGET}, bootstrap=0)
+    assert (
+        result["metric"]["name"] == "loss"
+        and "rung-1 has no eval:heldout_macro" in result["metric"]["chosen"]
+    )
+
+
+def test_marin_procedure_on_held_out_macro_loss_at_every_5_percent(tmp_path: Path) -> None:
+    paths = marin_runs(tmp_path)
+    for path, planned in zip(paths, MARIN_STEPS, strict=True):
+        per_step = read_run(str(path)).forecast_per_step
+        # Evaluated every 5%, except the largest rung: every 10% (a run that evaluates less often).
+        stride = round((0.1 if planned == MARIN_STEPS[-1] else 0.05) * planned)
+        write_evals(path, list(range(stride, planned + 1, stride)),
+                    lambda s, c=per_step, p=planned: float(marin_law(c * s, s / p)), "loss")  # fmt: skip
+    runs = [read_run(str(path)) for path in paths]
+    target = {"name": "t", "flops": 5e15, "forecast_compute": MARIN_TARGET_C}
+    # By default a rung that evaluated too rarely for the fractions sends the fit to training loss, and
+    # the fit says which rung; named with --metric, the evaluations there are are fitted.
+    default = fit_ladder(runs, target, procedure="marin", bootstrap=0)
+    assert default["metric"]["name"] == "loss"
+    assert default["metric"]["chosen"].startswith(
+        f"default: {paths[-1]} evaluated eval:heldout_macro:loss less"
+    )
+    result = fit_ladder(runs, target, procedure="marin", bootstrap=20, metric="eval:heldout_macro:loss")
+    assert result["metric"]["name"] == "eval:heldout_macro:loss"
+    fit = result["fit"]
+    # Evaluations are not smoothed: the law per fraction comes back at every fraction, 5% included.
+    for g in MARIN_FRACTIONS:
+        assert fit["alphas"][str(g)] == pytest.approx(0.12 + 0.04 * g, rel=1e-6)
+        assert fit["A"][str(g)] == pytest.approx(60 * (1 + g), rel=1e-5)
+    for item in result["forecast"]:
+        assert item["loss"] == pytest.approx(float(marin_law(item["flops"], item["fraction"])), rel=1e-6)
+    # The rung evaluated every 10% has points at 10%, 20%, ... only; each 5% between is left out, said.
+    largest = [p["fraction"] for p in result["points"] if p["run"].endswith("/tiny")]
+    assert largest == [round(0.1 * i, 2) for i in range(1, 11)]
+    skipped = [w for w in result["warnings"] if "evaluated less often" in w]
+    assert len(skipped) == 10 and all("/tiny:" in w for w in skipped)
+
+
+def test_fit_command_says_its_metric_and_the_page_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture, report_inputs: ReportInputs
+) -> None:
+    runs = evaluated_runs(tmp_path / "ladder")
+    target = write_run(
+        tmp_path / "target",
+        synthetic_curve("target", 1000, TARGET / 1000, 0.02, np.random.default_rng(4), True),
+    )
+    write_evals(target, list(range(50, 1001, 50)), lambda s: eval_law(s * TARGET / 1000), "bits_per_byte")
+    args = ["ladder", "fit", *map(str, runs), "--target-run", str(target), "--bootstrap", "20"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert (
+        "metric: held-out macro bits per byte (eval:heldout_macro:bits_per_byte), default: every run" in out
+    )
+    ladder = json.loads((tmp_path / "ladder" / "ladder.json").read_text())
+    assert ladder["metric"]["name"] == "eval:heldout_macro:bits_per_byte"
+    assert [a["step"] for a in ladder["actual"]] == [250, 500, 750, 1000]
+    assert ladder["actual"][-1]["loss"] == pytest.approx(eval_law(TARGET), rel=1e-9)
+    # --metric loss on the same runs: the training loss, and the command says so.
+    assert main([*args, "--metric", "loss", "--output", str(tmp_path / "loss.json")]) == 0
+    assert "metric: training loss (loss), given with --metric" in capsys.readouterr().out
+    # On runs without eval.jsonl an evaluation metric is refused, naming the run and the file.
+    plain = synthetic_runs(tmp_path / "plain", 0.0, 0, False)
+    error = fit_error(capsys, *map(str, plain), "--target", "1e24", "--metric", "eval:heldout_macro:loss")
+    assert f"no such evaluation records in {plain[0]}" in error and "no eval.jsonl" in error
+    assert "not a metric name" in fit_error(capsys, *map(str, plain), "--target", "1e24", "--metric", "bpb")
+
+    common = ["report", "--curated", str(report_inputs.curate), "--tokens", str(report_inputs.tokens),
+              "--plan", str(report_inputs.plan)]  # fmt: skip
+    site = tmp_path / "site"
+    ladder_path = str(tmp_path / "ladder" / "ladder.json")
+    assert main([*common, "--output", str(site), "--run", str(target), "--ladder", ladder_path]) == 0
+    html = (site / "run.html").read_text()
+    assert "held-out macro bits per byte (eval:heldout_macro:bits_per_byte)" in html
+    assert "forecast final held-out macro bits per byte" in html
+    assert 'The <a href="#ladder-forecast">scaling-ladder forecast</a> below is of the held-out macro' in html
+    forecast = re.search(r'data-chart="Forecast against this run">(.*?)</figure>', html, re.S)
+    assert forecast and 'aria-label="Forecast against this run"' in forecast.group(1)
+    assert "held-out macro bits per byte</text>" in forecast.group(1)  # its y axis: the metric
+    assert 'data-chart="Held-out macro bits per byte against training compute"' in html
+
+
 # --- for real (slow) ---------------------------------------------------------------------------------------
 
 
@@ -451,8 +624,8 @@ def test_three_tiny_rungs_trained_and_fitted(tmp_path: Path, capsys: pytest.Capt
     runs = []
     for model, steps in zip(ladder.rung_models, (30, 40, 60)):
         run = tmp_path / Path(model).stem
-        assert main(["train", "--synthetic", "--model", model, "--steps", str(steps), "--output", str(run),
-                     "--checkpoint-every", "1000"]) == 0  # fmt: skip
+        assert main(["train", "--data.synthetic", "--model", model, "--schedule.steps", str(steps),
+                     "--output", str(run), "--checkpoint.every", "1000"]) == 0  # fmt: skip
         runs.append(str(run))
     assert main(["ladder", "fit", *runs, "--ladder", str(DEMO), "--bootstrap", "50"]) == 0
     result = json.loads((tmp_path / "ladder.json").read_text())

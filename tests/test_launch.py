@@ -16,8 +16,8 @@ import yaml
 from test_trainer_cli import TINY
 
 from tokenmill.cli import main
-from tokenmill.trainer.launch import ProcessGroup, process_group
-from tokenmill.trainer.run_config import build_run_config, read_run_config_file
+from tokenmill.trainer.run.config import build_run_config, read_run_config_file
+from tokenmill.trainer.run.distributed import ProcessGroup, process_group
 
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -27,7 +27,7 @@ def run_config(tmp_path: Path) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text(
         f"output: runs/tiny-Multi_Host\nmodel: {TINY}\nseed: 7\n"
-        "data: {synthetic: true, batch_size: 32, seq_len: 64}\n"
+        "data: {synthetic: true, batch_size: 32, sequence_length: 64}\n"
         "mesh: {data: 1, fsdp: -1, expert: 2}\nschedule: {steps: 100}\n"
     )
     return path
@@ -55,7 +55,7 @@ def test_jobset_manifest(run_config, tmp_path, capsys):
     argv = ["launch", "jobset", "--config", str(run_config), "--nodes", "4", "--devices-per-node", "4",
             "--processes-per-node", "2", "--image", "registry.example/tokenmill:1", "--volume",
             "runs:/opt/tokenmill/runs", "--port", "9123", "-o", str(out),
-            "--", "--peak-flops", "1e15"]  # fmt: skip
+            "--", "--logging.peak_flops", "1e15"]  # fmt: skip
     assert main(argv) == 0
     config_map, jobset = yaml.safe_load_all(out.read_text())
 
@@ -79,7 +79,7 @@ def test_jobset_manifest(run_config, tmp_path, capsys):
     assert container["name"] and container["image"] == "registry.example/tokenmill:1"
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}  # 4 devices over 2 processes a node
     assert container["command"] == ["tokenmill", "train", "--config", "/etc/tokenmill/run.yaml",
-                                    "--distributed", "--peak-flops", "1e15"]  # fmt: skip
+                                    "--mesh.distributed", "--logging.peak_flops", "1e15"]  # fmt: skip
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
     for mount in container["volumeMounts"]:
         assert mount["name"] in volumes
@@ -129,7 +129,7 @@ def test_slurm_script(run_config, tmp_path):
     script_path = tmp_path / "job.sbatch"
     argv = ["launch", "slurm", "--config", str(run_config), "--nodes", "2", "--devices-per-node", "8",
             "--partition", "gpu", "--time", "1-00:00:00", "--setup", "export MARK='set up'",
-            "-o", str(script_path), "--", "--peak-flops", "1e15"]  # fmt: skip
+            "-o", str(script_path), "--", "--logging.peak_flops", "1e15"]  # fmt: skip
     assert main(argv) == 0
     script = script_path.read_text()
     subprocess.run(["bash", "-n", str(script_path)], check=True)
@@ -166,8 +166,8 @@ def test_slurm_script(run_config, tmp_path):
     subprocess.run(["bash", str(script_path)], env=env, check=True, cwd=tmp_path)
     args = (workdir / "srun.args").read_text().splitlines()
     frozen = "runs/tiny-Multi_Host/launch-77.yaml"
-    assert args == ["--kill-on-bad-exit=1", "tokenmill", "train", "--config", frozen, "--distributed",
-                    "--peak-flops", "1e15"]  # fmt: skip
+    assert args == ["--kill-on-bad-exit=1", "tokenmill", "train", "--config", frozen, "--mesh.distributed",
+                    "--logging.peak_flops", "1e15"]  # fmt: skip
     assert (workdir / "srun.env").read_text() == "8476 set up\n"
     assert settings(workdir / frozen) == settings(run_config)
 
@@ -225,9 +225,19 @@ def test_launch_refuses_what_the_devices_cannot_run(run_config, capsys, change, 
 def test_launch_quotes_what_it_writes(run_config, capsys):
     assert (
         main(
-            ["launch", "slurm", "--config", str(run_config), "--nodes", "1", "--", "--wandb-project", "a b;c"]
+            [
+                "launch",
+                "slurm",
+                "--config",
+                str(run_config),
+                "--nodes",
+                "1",
+                "--",
+                "--logging.wandb_project",
+                "a b;c",
+            ]
         )
         == 0
     )
     srun = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("srun "))
-    assert shlex.split(srun)[-2:] == ["--wandb-project", "a b;c"]
+    assert shlex.split(srun)[-2:] == ["--logging.wandb_project", "a b;c"]

@@ -1,4 +1,4 @@
-"""The live run page: `tokenmill train --publish` republishes run.html and data/run/ while training.
+"""The live run page: `tokenmill train --logging.publish` republishes run.html and data/run/ while training.
 
 An observer thread polls the published folder (local and on the GCS emulator) during a tiny run and checks
 every observation: a complete page, parseable JSON beside it, metrics that are whole rows; it must see
@@ -23,12 +23,13 @@ from test_trainer import config, tiny
 
 from tokenmill.cli import build_parser
 from tokenmill.formats.runs import parse_metrics_line
-from tokenmill.trainer import publish
-from tokenmill.trainer.data import Batch, SyntheticSource
-from tokenmill.trainer.publish import LivePublisher, PublishError, check_destination
-from tokenmill.trainer.telemetry import StepTimer, Telemetry, device_memory
-from tokenmill.trainer.train import Phase, train
-from tokenmill.trainer.train_command import run_config_of
+from tokenmill.trainer.commands.train import run_config_of
+from tokenmill.trainer.data.batch import Batch, SyntheticSource
+from tokenmill.trainer.run import publish
+from tokenmill.trainer.run.config import Phase, resolve_run_config
+from tokenmill.trainer.run.loop import train
+from tokenmill.trainer.run.publish import LivePublisher, PublishError, check_destination
+from tokenmill.trainer.run.telemetry import StepTimer, Telemetry, device_memory
 
 # One schedule for every run here, test_trainer's: the jitted step is compiled once per process and reused.
 PHASES = [Phase("pretraining", 0, 60)]
@@ -43,7 +44,7 @@ class PacedSource(SyntheticSource):
 
     def __init__(self, delay: float):
         cfg = tiny()
-        super().__init__(cfg.vocab_size, cfg.seq_len, 4, 0, active_vocab=64)
+        super().__init__(cfg.vocab_size, cfg.sequence_length, 4, 0, active_vocab=64)
         self.delay = delay
 
     def batch(self, step: int) -> Batch:
@@ -118,7 +119,7 @@ def watched_run(tmp_path: Path, destination: str, read: Callable[[str], bytes]) 
         tmp_path, logging__publish=destination, logging__publish_every=6, checkpoint__every=10,
         logging__publish_refresh=5,
     )  # fmt: skip
-    rows = train(cfg, PacedSource(0.03), PHASES)
+    rows = train(resolve_run_config(cfg, PHASES), PacedSource(0.03))
     # The final version is written before train() returns; give the observer a last look at it.
     time.sleep(0.3)
     return watch.finish(stop), rows
@@ -194,7 +195,7 @@ def test_a_failing_or_slow_publisher_never_stops_or_slows_training(
     monkeypatch.setattr(publish, "FINAL_TIMEOUT_SECONDS", 1.0)
     cfg = config(tmp_path, logging__publish=str(tmp_path / "site"), logging__publish_every=2)
     with caplog.at_level(logging.WARNING, logger="tokenmill"):
-        rows = train(cfg, PacedSource(0.01), PHASES)
+        rows = train(resolve_run_config(cfg, PHASES), PacedSource(0.01))
     assert [row["step"] for row in rows] == list(range(60))
     assert len(calls) >= 2  # retried
     assert "failed: OSError: 503 Service Unavailable (injected)" in caplog.text
@@ -235,7 +236,16 @@ def test_destination_and_flags(tmp_path: Path) -> None:
         check_destination(str(tmp_path / "runs"))
     check_destination(str(tmp_path / "new"))  # a new folder is fine
     args = build_parser().parse_args(
-        ["train", "--synthetic", "--publish", "gs://b/live", "--publish-every", "7", "--publish-refresh", "0"]
+        [
+            "train",
+            "--data.synthetic",
+            "--logging.publish",
+            "gs://b/live",
+            "--logging.publish_every",
+            "7",
+            "--logging.publish_refresh",
+            "0",
+        ]
     )
     logging_cfg = run_config_of(args).logging
     assert (logging_cfg.publish, logging_cfg.publish_every, logging_cfg.publish_refresh) == (
@@ -405,7 +415,9 @@ def test_the_ladder_forecast_is_drawn_against_the_live_loss(tmp_path: Path, caps
     page = (tmp_path / "site" / "run.html").read_text()
     assert 'id="ladder-forecast"' in page and 'data-chart="Forecast against this run"' in page
     assert (tmp_path / "site" / "data/run/ladder.json").read_bytes() == fit.read_bytes()
-    args = build_parser().parse_args(["train", "--synthetic", "--publish", "x", "--publish-ladder", str(fit)])
+    args = build_parser().parse_args(
+        ["train", "--data.synthetic", "--logging.publish", "x", "--logging.publish_ladder", str(fit)]
+    )
     assert run_config_of(args).logging.publish_ladder == str(fit)
 
 
@@ -414,7 +426,7 @@ def test_nvml_readings_per_visible_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     names, watts from milliwatts, and a driver that stops answering leaves the keys out."""
     import types
 
-    from tokenmill.trainer.telemetry import Nvml
+    from tokenmill.trainer.run.telemetry import Nvml
 
     class Readings:
         def __init__(self, index: int):

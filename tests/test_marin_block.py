@@ -1,7 +1,7 @@
 """Marin's 535B-A23B block, checked against an independent NumPy implementation of its equations.
 
 The reference below is written from the block's definition (docs/trainer.md, "The Marin family"), in
-float64 with explicit loops where that is clearer, and shares nothing with model.py/moe.py but the
+float64 with explicit loops where that is clearer, and shares nothing with transformer.py/moe.py but the
 parameter pytree it reads its weights from. The JAX model runs in fp32; the two agree to ~1e-5.
 Also here: documents stay apart with every piece on, every new parameter gets a gradient, and the tiny
 configs train with the pieces on and off.
@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenmill.trainer import model
-from tokenmill.trainer.config import ModelConfig, MoEConfig, load_model_config
-from tokenmill.trainer.data import SyntheticSource
-from tokenmill.trainer.run_config import RunConfig
-from tokenmill.trainer.train import Phase, train
+from tokenmill.trainer.data.batch import SyntheticSource
+from tokenmill.trainer.model import transformer
+from tokenmill.trainer.model.shape import ModelConfig, MoEConfig, load_model_config
+from tokenmill.trainer.run.config import Phase, RunConfig, resolve_run_config
+from tokenmill.trainer.run.loop import train
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 QUANTILE_BINS = 64  # few bins, so fp32 vs float64 rounding never moves a margin across a bin edge
@@ -30,14 +30,15 @@ def marin_block_config(dispatch: str = "dropless") -> ModelConfig:
     """Two layers: 0 is local (window 4, 2 KV heads, half RoPE), 1 is global (the last; 1 KV head, NoPE)."""
     return ModelConfig(
         name="marin-block", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, global_kv_heads=1,
-        head_dim=8, seq_len=16, sliding_window=4, global_every=4, rope_theta=10_000, rope_dims=4,
+        head_dim=8, sequence_length=16, sliding_window=4, global_every=4, rope_theta=10_000, rope_dims=4,
         rope_interleaved=True, rope_on_global_layers=False, qk_norm=True, qk_norm_learnable=False,
         qk_norm_eps=1e-6, qk_mult=1.3, embed_norm=True, gated_norm_rank=8, xsa=True, attn_gate=True,
         sconv_sites=["k", "v", "attn", "mlp"], sconv_kernel=4, logit_z_loss=1e-4, init_gain=0.5,
         init_truncated=True, init_scale_outputs=False,
         moe=MoEConfig(
-            n_experts=8, top_k=2, expert_hidden=12, latent_dim=16, n_shared_experts=2, shared_hidden=10,
-            separate_shared_experts=True, score_fn="sigmoid", normalize_weights=True, route_scale=2.5,
+            n_experts=8, top_k=2, expert_hidden=12, latent_dim=16, n_shared_experts=2,
+            shared_expert_hidden=10, separate_shared_experts=True, score_fn="sigmoid", normalize_weights=True,
+            route_scale=2.5,
             balancing="quantile", bias_space="logit", quantile_bins=QUANTILE_BINS, dispatch=dispatch,
             capacity_factor=100.0,
         ),
@@ -48,10 +49,10 @@ def fixed_weights(cfg: ModelConfig, seed: int = 0):
     """Every leaf of the model's pytree replaced by fixed random values (gates and SConv far from their
     identity init, norm scales away from 1), and a non-zero router bias, as float32 JAX arrays."""
     rng = np.random.default_rng(seed)
-    structure = jax.eval_shape(lambda key: model.init_params(key, cfg), jax.random.key(0))
+    structure = jax.eval_shape(lambda key: transformer.init_params(key, cfg), jax.random.key(0))
 
     def draw(path, leaf):
-        if leaf.ndim - model.layer_axes(path) == 1:  # a vector per layer (stacked layers add an axis)
+        if leaf.ndim - transformer.layer_axes(path) == 1:  # a vector per layer (stacked layers add an axis)
             return (1.0 + 0.2 * rng.standard_normal(leaf.shape)).astype(np.float32)
         fan_in = leaf.shape[-2]
         return (rng.standard_normal(leaf.shape) / np.sqrt(fan_in)).astype(np.float32)
@@ -212,7 +213,7 @@ def np_loss(p, bias, tokens, seg, cfg):
     x = p["embed"][inputs]
     x = np_gated_norm(np_rms_norm(x, p["embed_norm"], cfg.norm_eps), p["embed_gated_norm"])
     for layer in range(cfg.n_layers):
-        x, _, _ = np_layer(model.layer_params(p, cfg, layer), x, seg[:, :-1], bias[layer], cfg, layer)
+        x, _, _ = np_layer(transformer.layer_params(p, cfg, layer), x, seg[:, :-1], bias[layer], cfg, layer)
     x = np_gated_norm(np_rms_norm(x, p["final_norm"], cfg.norm_eps), p["final_gated_norm"])
     logits = x @ p["lm_head"]
     top = logits.max(-1, keepdims=True)
@@ -233,14 +234,16 @@ def as_float64(tree):
 def test_block_matches_the_numpy_reference(dispatch):
     cfg = marin_block_config(dispatch)
     params, bias = fixed_weights(cfg)
-    seg = segments(2, cfg.seq_len)
-    x = jax.random.normal(jax.random.key(7), (2, cfg.seq_len, cfg.d_model))
+    seg = segments(2, cfg.sequence_length)
+    x = jax.random.normal(jax.random.key(7), (2, cfg.sequence_length, cfg.d_model))
     reference = as_float64(params)
     for layer in range(cfg.n_layers):  # 0: local, half RoPE, 2 KV heads; 1: global (last), NoPE, 1 KV head
-        run = jax.jit(lambda p, x, b, layer=layer: model.layer_forward(p, x, jnp.asarray(seg), b, cfg, layer))
-        out, stats = run(model.layer_params(params, cfg, layer), x, bias[layer])
+        run = jax.jit(
+            lambda p, x, b, layer=layer: transformer.layer_forward(p, x, jnp.asarray(seg), b, cfg, layer)
+        )
+        out, stats = run(transformer.layer_params(params, cfg, layer), x, bias[layer])
         expected, next_bias, load = np_layer(
-            model.layer_params(reference, cfg, layer),
+            transformer.layer_params(reference, cfg, layer),
             np.asarray(x, np.float64),
             seg,
             np.asarray(bias[layer], np.float64),
@@ -256,12 +259,12 @@ def test_block_matches_the_numpy_reference(dispatch):
 def test_model_loss_with_the_final_logit_z_loss_matches_the_numpy_reference():
     cfg = marin_block_config()
     params, bias = fixed_weights(cfg, seed=1)
-    tokens = jax.random.randint(jax.random.key(3), (2, cfg.seq_len + 1), 0, cfg.vocab_size)
-    seg = np.concatenate([segments(2, cfg.seq_len), segments(2, cfg.seq_len)[:, -1:]], axis=1)
-    objective, (cross_entropy, _) = jax.jit(lambda p, b, t, s: model.loss_fn(p, b, t, s, cfg))(
+    tokens = jax.random.randint(jax.random.key(3), (2, cfg.sequence_length + 1), 0, cfg.vocab_size)
+    seg = np.concatenate([segments(2, cfg.sequence_length), segments(2, cfg.sequence_length)[:, -1:]], axis=1)
+    objective, (cross_entropy, _) = jax.jit(lambda p, b, t, s: transformer.loss_fn(p, b, t, s, cfg))(
         params, bias, tokens, jnp.asarray(seg)
     )
-    logits, _ = jax.jit(lambda p, b, t, s: model.forward(p, b, t, s, cfg))(
+    logits, _ = jax.jit(lambda p, b, t, s: transformer.forward(p, b, t, s, cfg))(
         params, bias, tokens[:, :-1], jnp.asarray(seg[:, :-1])
     )
     ref_logits, ref_ce, ref_objective = np_loss(
@@ -276,9 +279,9 @@ def test_model_loss_with_the_final_logit_z_loss_matches_the_numpy_reference():
 def test_documents_stay_apart_with_every_piece_on():
     cfg = marin_block_config()
     params, bias = fixed_weights(cfg, seed=2)
-    seg = jnp.asarray(segments(2, cfg.seq_len))
-    tokens = jax.random.randint(jax.random.key(4), (2, cfg.seq_len), 0, cfg.vocab_size)
-    forward = jax.jit(lambda t: model.forward(params, bias, t, seg, cfg)[0])
+    seg = jnp.asarray(segments(2, cfg.sequence_length))
+    tokens = jax.random.randint(jax.random.key(4), (2, cfg.sequence_length), 0, cfg.vocab_size)
+    forward = jax.jit(lambda t: transformer.forward(params, bias, t, seg, cfg)[0])
     # Rewrite the last token of row 0's first document (position 4): SConv's taps and attention reach
     # positions 5.. only if they cross the boundary.
     changed = tokens.at[0, 4].set((tokens[0, 4] + 1) % cfg.vocab_size)
@@ -290,8 +293,8 @@ def test_documents_stay_apart_with_every_piece_on():
 
 def test_init_and_every_parameter_gets_a_gradient_from_it():
     cfg = marin_block_config()
-    params = jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(0))
-    layer = model.layer_params(params, cfg, 0)
+    params = jax.jit(lambda key: transformer.init_params(key, cfg))(jax.random.key(0))
+    layer = transformer.layer_params(params, cfg, 0)
     # The attention gate starts at 1 (W_gate = 0) and SConv as the identity (tap 0 = 1).
     assert not np.any(np.asarray(layer["attn"]["gate"]))
     np.testing.assert_array_equal(np.asarray(layer["sconv_attn"])[:, 0], [1, 0, 0, 0])
@@ -303,10 +306,10 @@ def test_init_and_every_parameter_gets_a_gradient_from_it():
         values = np.asarray(leaf)
         assert np.abs(values).max() <= 3 * std + 1e-7, name
         assert 0.85 * std < values.std() < 1.05 * std, name  # a +-3 truncation keeps 98.7% of the std
-    bias = model.init_router_bias(cfg)
-    tokens = jax.random.randint(jax.random.key(5), (2, cfg.seq_len + 1), 0, cfg.vocab_size)
+    bias = transformer.init_router_bias(cfg)
+    tokens = jax.random.randint(jax.random.key(5), (2, cfg.sequence_length + 1), 0, cfg.vocab_size)
     seg = jnp.zeros_like(tokens)
-    grads = jax.jit(jax.grad(lambda p: model.loss_fn(p, bias, tokens, seg, cfg)[0]))(params)
+    grads = jax.jit(jax.grad(lambda p: transformer.loss_fn(p, bias, tokens, seg, cfg)[0]))(params)
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     silent = [jax.tree_util.keystr(path) for path, grad in flat if not np.any(np.asarray(grad))]
     assert not silent, silent
@@ -314,7 +317,7 @@ def test_init_and_every_parameter_gets_a_gradient_from_it():
 
 @pytest.mark.parametrize("config", ["tiny-marin.yaml", "tiny.yaml"])
 def test_tiny_configs_train(tmp_path, config):
-    cfg = load_model_config(MODELS / config).model_copy(update={"seq_len": 64})
+    cfg = load_model_config(MODELS / config).model_copy(update={"sequence_length": 64})
     settings = RunConfig(
         output=str(tmp_path / "run"),
         model=cfg,
@@ -324,8 +327,8 @@ def test_tiny_configs_train(tmp_path, config):
         logging={"peak_flops": 1e9},
         checkpoint={"every": 1000},
     )
-    source = SyntheticSource(cfg.vocab_size, cfg.seq_len, 4, 0, active_vocab=64)
-    rows = train(settings, source, [Phase("pretraining", 0, 12)])
+    source = SyntheticSource(cfg.vocab_size, cfg.sequence_length, 4, 0, active_vocab=64)
+    rows = train(resolve_run_config(settings, [Phase("pretraining", 0, 12)]), source)
     losses = [row["loss"] for row in rows]
     assert len(rows) == 12 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3, losses

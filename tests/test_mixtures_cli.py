@@ -15,17 +15,23 @@ MIXTURES = REPO / "mixtures"
 HERO = str(MIXTURES / "marin-535b-a23b.yaml")
 # The illustrative 11-source mixture that tests/test_mixtures_plan.py works out by hand.
 REFERENCE = str(Path(__file__).parent / "fixtures" / "eleven-sources.yaml")
+HELD = {"heldout_tokens": 500, "heldout_documents": 2, "heldout_bytes": 2_000}
 SAMPLE_COUNTS = {
     "format_version": 1,
     "tokenizer": {"name": "tokenmill-bpe-4k", "sha256": "", "vocab_size": 4096},
     "total_tokens": 0,
     "total_documents": 0,
+    # Held-out slices as the demo tokenizes them (mixtures/demo.yaml evaluates on every domain's).
+    "heldout": {"fraction": 0.05, "max_tokens": 4_000_000, "min_documents": 2},
     # Cells like those the demo's classifiers make of the sample corpus (a few domains are missing, as they
     # may be: the demo mixture spreads their weight over the others).
     "cells": {
-        **{f"domain=c00/quality={q}": {"tokens": 40_000 + 1_000 * q, "documents": 9} for q in range(5)},
-        **{f"domain=c01/quality={q}": {"tokens": 20_000, "documents": 9} for q in (2, 3, 4)},
-        "domain=c02/quality=3": {"tokens": 10_000, "documents": 9},
+        **{
+            f"domain=c00/quality={q}": {"tokens": 40_000 + 1_000 * q, "documents": 9, **HELD}
+            for q in range(5)
+        },
+        **{f"domain=c01/quality={q}": {"tokens": 20_000, "documents": 9, **HELD} for q in (2, 3, 4)},
+        "domain=c02/quality=3": {"tokens": 10_000, "documents": 9, **HELD},
     },
 }
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenmill.trainer import model, moe
-from tokenmill.trainer.config import ModelConfig, MoEConfig
-from tokenmill.trainer.flops import count_params
+from tokenmill.trainer.model import moe, router, transformer
+from tokenmill.trainer.model.flops import count_params
+from tokenmill.trainer.model.shape import ModelConfig, MoEConfig
 
 
 def tiny(n_layers: int = 2, **moe_overrides) -> ModelConfig:
@@ -24,7 +24,7 @@ def tiny(n_layers: int = 2, **moe_overrides) -> ModelConfig:
         n_heads=4,
         n_kv_heads=2,
         head_dim=8,
-        seq_len=32,
+        sequence_length=32,
         sliding_window=8,
         sliding_window_layers=[0],
         moe=MoEConfig(**moe_cfg),
@@ -32,17 +32,17 @@ def tiny(n_layers: int = 2, **moe_overrides) -> ModelConfig:
 
 
 def init(cfg: ModelConfig, seed: int = 0):
-    return jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(seed))
+    return jax.jit(lambda key: transformer.init_params(key, cfg))(jax.random.key(seed))
 
 
 def forward(cfg: ModelConfig, params, bias, tokens, segments):
-    return jax.jit(lambda p, b, t, s: model.forward(p, b, t, s, cfg))(params, bias, tokens, segments)
+    return jax.jit(lambda p, b, t, s: transformer.forward(p, b, t, s, cfg))(params, bias, tokens, segments)
 
 
 def random_batch(cfg: ModelConfig, batch: int = 2, seed: int = 1):
-    tokens = jax.random.randint(jax.random.key(seed), (batch, cfg.seq_len + 1), 1, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(seed), (batch, cfg.sequence_length + 1), 1, cfg.vocab_size)
     # Two documents per row: the first 12 tokens, then the rest.
-    segments = jnp.broadcast_to((jnp.arange(cfg.seq_len + 1) >= 12).astype(jnp.int32), tokens.shape)
+    segments = jnp.broadcast_to((jnp.arange(cfg.sequence_length + 1) >= 12).astype(jnp.int32), tokens.shape)
     return tokens, segments
 
 
@@ -55,14 +55,14 @@ def test_shapes_and_parameter_count():
     assert n_params + cfg.n_layers * cfg.moe.n_experts == counts.stored_params
     # A vector is one-dimensional per layer: stacked layers carry one more (repeat) axis.
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    vectors = sum(x.size for path, x in leaves if x.ndim - model.layer_axes(path) == 1)
+    vectors = sum(x.size for path, x in leaves if x.ndim - transformer.layer_axes(path) == 1)
     assert n_params - vectors == counts.total_params
     tokens, segments = random_batch(cfg)
-    logits, stats = forward(cfg, params, model.init_router_bias(cfg), tokens[:, :-1], segments[:, :-1])
-    assert logits.shape == (2, cfg.seq_len, cfg.vocab_size) and logits.dtype == jnp.float32
+    logits, stats = forward(cfg, params, transformer.init_router_bias(cfg), tokens[:, :-1], segments[:, :-1])
+    assert logits.shape == (2, cfg.sequence_length, cfg.vocab_size) and logits.dtype == jnp.float32
     assert stats.load.shape == (cfg.n_layers, cfg.moe.n_experts)
     # Every token makes top_k assignments in every layer.
-    np.testing.assert_allclose(stats.load.sum(-1), 2 * cfg.seq_len * cfg.moe.top_k)
+    np.testing.assert_allclose(stats.load.sum(-1), 2 * cfg.sequence_length * cfg.moe.top_k)
     assert stats.dropped.shape == (cfg.n_layers,)
 
 
@@ -70,10 +70,10 @@ def test_bf16_compute_keeps_fp32_params_and_close_loss():
     cfg = tiny(n_layers=1, capacity_factor=8.0)
     params = init(cfg)
     tokens, segments = random_batch(cfg)
-    bias = model.init_router_bias(cfg)
+    bias = transformer.init_router_bias(cfg)
 
     def loss(dtype):
-        return jax.jit(lambda p: model.loss_fn(p, bias, tokens, segments, cfg, dtype)[1][0])(params)
+        return jax.jit(lambda p: transformer.loss_fn(p, bias, tokens, segments, cfg, dtype)[1][0])(params)
 
     loss32, loss16 = loss(jnp.float32), loss(jnp.bfloat16)
     assert abs(float(loss32) - float(loss16)) < 0.05
@@ -84,10 +84,12 @@ def test_capacity_and_dropless_agree_when_nothing_is_dropped():
     roomy, dropless = tiny(1, capacity_factor=100.0), tiny(1, dispatch="dropless")
     params = init(roomy)
     tokens, segments = random_batch(roomy)
-    bias = model.init_router_bias(roomy)
+    bias = transformer.init_router_bias(roomy)
 
     def loss_and_grad(cfg):
-        return jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, bias, tokens, segments, cfg)[0]))(params)
+        return jax.jit(jax.value_and_grad(lambda p: transformer.loss_fn(p, bias, tokens, segments, cfg)[0]))(
+            params
+        )
 
     (loss_a, grad_a), (loss_b, grad_b) = loss_and_grad(roomy), loss_and_grad(dropless)
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
@@ -106,7 +108,7 @@ def test_dropped_tokens_are_counted_and_get_no_expert_output():
     x = jax.random.normal(jax.random.key(1), (b, s, d))
     # A skewed router: every token picks experts 0 and 1.
     bias = jnp.array([1.0, 0.5, 0, 0, 0, 0, 0, 0])
-    routing = jax.jit(lambda x: moe.route(x.reshape(b * s, d), params["router"], bias, m))(x)
+    routing = jax.jit(lambda x: router.route(x.reshape(b * s, d), params["router"], bias, m))(x)
     assert set(np.unique(routing.expert_ids)) == {0, 1}
     np.testing.assert_array_equal(routing.load, [b * s, b * s, 0, 0, 0, 0, 0, 0])
 
@@ -124,10 +126,10 @@ def test_dropped_tokens_are_counted_and_get_no_expert_output():
 
 def _skewed_router(e: int = 8, d: int = 16, t: int = 512):
     x = jax.random.normal(jax.random.key(0), (t, d))
-    router = 0.3 * jax.random.normal(jax.random.key(1), (d, e))
-    router = router.at[:, 0].add(0.5).at[:, 1].add(0.3)  # experts 0 and 1 favoured
+    weights = 0.3 * jax.random.normal(jax.random.key(1), (d, e))
+    weights = weights.at[:, 0].add(0.5).at[:, 1].add(0.3)  # experts 0 and 1 favoured
     # Skew through a constant offset too: x's mean feature is positive.
-    return x + 0.5, router
+    return x + 0.5, weights
 
 
 @pytest.mark.parametrize(
@@ -144,25 +146,25 @@ def test_balancing_bias_evens_out_a_skewed_router(balancing, bias_space, bins):
         n_experts=8, top_k=2, expert_hidden=8, balancing=balancing, bias_rate=0.01, bias_space=bias_space,
         quantile_bins=bins,
     )  # fmt: skip
-    x, router = _skewed_router()
+    x, weights = _skewed_router()
     fair = x.shape[0] * m.top_k / m.n_experts
 
     @jax.jit
     def balance(bias):
         def step(bias, _):
-            r = moe.route(x, router, bias, m)
-            return moe.update_router_bias(bias[None], r.load[None], r.quantile_bias[None], m)[0], None
+            r = router.route(x, weights, bias, m)
+            return router.update_router_bias(bias[None], r.load[None], r.quantile_bias[None], m)[0], None
 
         return jax.lax.scan(step, bias, None, length=300)[0]
 
-    start = moe.route(x, router, jnp.zeros(8), m).load
+    start = router.route(x, weights, jnp.zeros(8), m).load
     bias = balance(jnp.zeros(8))
-    end = moe.route(x, router, bias, m).load
+    end = router.route(x, weights, bias, m).load
     assert float(start.max()) > 2.5 * fair  # really skewed to begin with
     assert float(end.max()) < 1.25 * fair and float(end.min()) > 0.75 * fair
     # The bias changes which experts are chosen but never the weights they get: those are raw scores.
-    r = moe.route(x, router, bias, m)
-    scores = jax.nn.sigmoid(x @ router)
+    r = router.route(x, weights, bias, m)
+    scores = jax.nn.sigmoid(x @ weights)
     chosen = jnp.take_along_axis(scores, r.expert_ids, -1)
     np.testing.assert_allclose(r.weights, chosen / chosen.sum(-1, keepdims=True), rtol=1e-5)
 
@@ -172,7 +174,7 @@ def test_router_bias_receives_no_gradient():
     params = init(cfg)
     tokens, segments = random_batch(cfg)
     bias = jax.random.normal(jax.random.key(3), (cfg.n_layers, cfg.moe.n_experts))
-    grad = jax.jit(jax.grad(lambda b: model.loss_fn(params, b, tokens, segments, cfg)[0]))(bias)
+    grad = jax.jit(jax.grad(lambda b: transformer.loss_fn(params, b, tokens, segments, cfg)[0]))(bias)
     assert not np.any(np.asarray(grad))
 
 
@@ -180,7 +182,7 @@ def test_attention_is_blocked_across_documents():
     cfg = tiny(dispatch="dropless")  # capacity dispatch couples the tokens of a row through the buffers
     params = init(cfg)
     tokens, segments = random_batch(cfg, batch=1)
-    bias = model.init_router_bias(cfg)
+    bias = transformer.init_router_bias(cfg)
     changed = tokens.at[:, :12].set((tokens[:, :12] + 7) % cfg.vocab_size)  # rewrite document one
     logits_a, _ = forward(cfg, params, bias, tokens[:, :-1], segments[:, :-1])
     logits_b, _ = forward(cfg, params, bias, changed[:, :-1], segments[:, :-1])
@@ -190,18 +192,18 @@ def test_attention_is_blocked_across_documents():
 
 def test_sliding_window_sees_only_recent_tokens():
     cfg = tiny()
-    attn = model.layer_params(init(cfg), cfg, 0)["attn"]
-    x = jax.random.normal(jax.random.key(1), (1, cfg.seq_len, cfg.d_model))
-    segments = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    attn = transformer.layer_params(init(cfg), cfg, 0)["attn"]
+    x = jax.random.normal(jax.random.key(1), (1, cfg.sequence_length, cfg.d_model))
+    segments = jnp.zeros((1, cfg.sequence_length), jnp.int32)
     x2 = x.at[:, 0].add(1.0)
     window = cfg.window(0)
-    local = jax.jit(lambda x: model.attention(attn, x, segments, cfg, 0))
+    local = jax.jit(lambda x: transformer.attention(attn, x, segments, cfg, 0))
     a, b = local(x), local(x2)
     np.testing.assert_allclose(a[:, window:], b[:, window:], atol=1e-6)
     assert not np.allclose(a[:, window - 1], b[:, window - 1])
     # Global attention (layer 1) does see the first token from everywhere.
     assert cfg.window(1) is None
-    full = jax.jit(lambda x: model.attention(attn, x, segments, cfg, 1))
+    full = jax.jit(lambda x: transformer.attention(attn, x, segments, cfg, 1))
     g_a, g_b = full(x), full(x2)
     assert not np.allclose(g_a[:, -1], g_b[:, -1])
 
@@ -212,7 +214,7 @@ def test_histogram_quantile_is_within_a_bin_of_the_exact_one():
     values = values.at[:, 1].set(0.25)  # one expert's margins all equal
     values = values.at[0, 2].set(50.0)  # one outlier stretches the shared grid 10x
     rank = t * k / e
-    estimate = np.asarray(jax.jit(lambda v: moe.histogram_upper_quantile(v, rank, bins))(values))
+    estimate = np.asarray(jax.jit(lambda v: router.histogram_upper_quantile(v, rank, bins))(values))
     width = float(values.max() - values.min()) / bins
     exact = np.sort(np.asarray(values), axis=0)[::-1][int(rank) - 1]  # the rank-th largest per column
     assert np.all(np.abs(estimate - exact) <= width + 1e-6), (estimate, exact, width)

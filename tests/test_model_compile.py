@@ -20,9 +20,10 @@ import optax
 import pytest
 import yaml
 
-from tokenmill.trainer import model
-from tokenmill.trainer.config import LayerGroup, ModelConfig, MoEConfig, load_model_config
-from tokenmill.trainer.model_command import format_compile_report, parse_bytes, parse_mesh_axes, xla_flops
+from tokenmill.trainer.commands.model import format_compile_report, parse_bytes, parse_mesh_axes
+from tokenmill.trainer.model import transformer
+from tokenmill.trainer.model.flops import xla_flops
+from tokenmill.trainer.model.shape import LayerGroup, ModelConfig, MoEConfig, load_model_config
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
@@ -32,7 +33,7 @@ def scanned_config(**overrides) -> ModelConfig:
     global layer left over (a second group), with the Marin pieces that depend on the layer's kind."""
     fields = dict(
         name="scan", vocab_size=64, d_model=32, n_layers=5, n_heads=4, n_kv_heads=2, global_kv_heads=1,
-        head_dim=8, seq_len=16, sliding_window=4, global_every=2, rope_dims=4, rope_interleaved=True,
+        head_dim=8, sequence_length=16, sliding_window=4, global_every=2, rope_dims=4, rope_interleaved=True,
         rope_on_global_layers=False, qk_norm_learnable=False, embed_norm=True, gated_norm_rank=4, xsa=True,
         attn_gate=True, sconv_sites=["k", "attn"], logit_z_loss=1e-4, init_gain=0.5,
         moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, latent_dim=16, n_shared_experts=1,
@@ -47,18 +48,20 @@ def unrolled_loss(params, bias, tokens, segment_ids, cfg: ModelConfig):
     the scan must reproduce."""
     inputs, targets, seg = tokens[:, :-1], tokens[:, 1:], segment_ids[:, :-1]
     x = params["embed"][inputs]
-    x = model.norm(x, params["embed_norm"], params.get("embed_gated_norm"), cfg.norm_eps)
+    x = transformer.norm(x, params["embed_norm"], params.get("embed_gated_norm"), cfg.norm_eps)
     for layer in range(cfg.n_layers):
-        x, _ = model.layer_forward(model.layer_params(params, cfg, layer), x, seg, bias[layer], cfg, layer)
-    x = model.norm(x, params["final_norm"], params.get("final_gated_norm"), cfg.norm_eps)
+        x, _ = transformer.layer_forward(
+            transformer.layer_params(params, cfg, layer), x, seg, bias[layer], cfg, layer
+        )
+    x = transformer.norm(x, params["final_norm"], params.get("final_gated_norm"), cfg.norm_eps)
     logits = x @ params["lm_head"]
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     return cross_entropy + cfg.logit_z_loss * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
 
 def batch(cfg: ModelConfig, seed: int = 3):
-    tokens = jax.random.randint(jax.random.key(seed), (2, cfg.seq_len + 1), 0, cfg.vocab_size)
-    segments = (jnp.arange(cfg.seq_len + 1) >= 7).astype(jnp.int32)[None].repeat(2, 0)
+    tokens = jax.random.randint(jax.random.key(seed), (2, cfg.sequence_length + 1), 0, cfg.vocab_size)
+    segments = (jnp.arange(cfg.sequence_length + 1) >= 7).astype(jnp.int32)[None].repeat(2, 0)
     return tokens, segments
 
 
@@ -82,31 +85,31 @@ def test_layer_groups_follow_the_attention_schedule():
 @pytest.mark.slow
 def test_stacked_layout_and_init_do_not_depend_on_the_grouping():
     cfg = scanned_config()
-    params = jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(0))
+    params = jax.jit(lambda key: transformer.init_params(key, cfg))(jax.random.key(0))
     wq = params["layers"][0][1]["attn"]["wq"]
     assert wq.shape == (2, cfg.d_model, cfg.n_heads * cfg.head_dim)  # [repeats, in, out]
     assert params["layers"][1][0]["attn_norm"].shape == (1, cfg.d_model)
     # Layer i draws from the i-th key: a model of the first three layers alone has the same weights.
     shorter = cfg.model_copy(update={"n_layers": 3})
-    short = jax.jit(lambda key: model.init_params(key, shorter))(jax.random.key(0))
+    short = jax.jit(lambda key: transformer.init_params(key, shorter))(jax.random.key(0))
     for layer in range(3):
-        a, b = model.layer_params(params, cfg, layer), model.layer_params(short, shorter, layer)
+        a, b = transformer.layer_params(params, cfg, layer), transformer.layer_params(short, shorter, layer)
         np.testing.assert_array_equal(a["attn"]["wq"], b["attn"]["wq"])
         np.testing.assert_array_equal(a["moe"]["w_up"], b["moe"]["w_up"])
     with pytest.raises(IndexError):
-        model.layer_params(params, cfg, cfg.n_layers)
+        transformer.layer_params(params, cfg, cfg.n_layers)
 
 
 # Slow suite (`make test-slow`): the default suite keeps the cheaper checks of the same code.
 @pytest.mark.slow
 def test_scan_gives_the_loss_and_gradients_of_an_unrolled_loop():
     cfg = scanned_config()
-    params = jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(1))
+    params = jax.jit(lambda key: transformer.init_params(key, cfg))(jax.random.key(1))
     bias = 0.1 * jax.random.normal(jax.random.key(2), (cfg.n_layers, cfg.moe.n_experts))
     tokens, segments = batch(cfg)
 
     def scanned(p):
-        return model.loss_fn(p, bias, tokens, segments, cfg)[0]
+        return transformer.loss_fn(p, bias, tokens, segments, cfg)[0]
 
     loss, grads = jax.jit(jax.value_and_grad(scanned))(params)
     ref_loss, ref_grads = jax.jit(
@@ -116,13 +119,15 @@ def test_scan_gives_the_loss_and_gradients_of_an_unrolled_loop():
     for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path))
     # The statistics come back in layer order: layer 4 (the leftover group) is the last row.
-    _, (_, stats) = jax.jit(lambda p: model.loss_fn(p, bias, tokens, segments, cfg))(params)
+    _, (_, stats) = jax.jit(lambda p: transformer.loss_fn(p, bias, tokens, segments, cfg))(params)
     assert stats.load.shape == (cfg.n_layers, cfg.moe.n_experts)
     seg = segments[:, :-1]
-    x = model.norm(params["embed"][tokens[:, :-1]], params["embed_norm"], params["embed_gated_norm"], 1e-5)
+    x = transformer.norm(
+        params["embed"][tokens[:, :-1]], params["embed_norm"], params["embed_gated_norm"], 1e-5
+    )
     for layer in range(cfg.n_layers):
-        x, layer_stats = model.layer_forward(
-            model.layer_params(params, cfg, layer), x, seg, bias[layer], cfg, layer
+        x, layer_stats = transformer.layer_forward(
+            transformer.layer_params(params, cfg, layer), x, seg, bias[layer], cfg, layer
         )
         np.testing.assert_array_equal(stats.load[layer], layer_stats.load)
 
@@ -131,14 +136,14 @@ def test_scan_gives_the_loss_and_gradients_of_an_unrolled_loop():
 @pytest.mark.slow
 def test_blocked_attention_and_loss_give_the_same_loss_and_gradients():
     cfg = scanned_config()
-    params = jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(6))
-    bias = model.init_router_bias(cfg)
+    params = jax.jit(lambda key: transformer.init_params(key, cfg))(jax.random.key(6))
+    bias = transformer.init_router_bias(cfg)
     tokens, segments = batch(cfg, seed=7)
 
     def value_and_grads(model_cfg):
-        return jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, bias, tokens, segments, model_cfg)[0]))(
-            params
-        )
+        return jax.jit(
+            jax.value_and_grad(lambda p: transformer.loss_fn(p, bias, tokens, segments, model_cfg)[0])
+        )(params)
 
     loss, grads = value_and_grads(cfg)
     # Blocks of 4 of the 16 positions: windowed (4) and global layers, documents split across blocks.
@@ -149,9 +154,9 @@ def test_blocked_attention_and_loss_give_the_same_loss_and_gradients():
     for a, b in zip(jax.tree.leaves(blocked_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
     assert (
-        model.block_size(4096, 512) == 512
-        and model.block_size(100, 64) == 50
-        and model.block_size(8, None) == 8
+        transformer.block_size(4096, 512) == 512
+        and transformer.block_size(100, 64) == 50
+        and transformer.block_size(8, None) == 8
     )
 
 
@@ -165,12 +170,14 @@ def test_blocked_attention_and_loss_give_the_same_loss_and_gradients():
 )
 def test_every_remat_policy_gives_the_same_gradients(policy):
     cfg = scanned_config()
-    params = jax.jit(lambda key: model.init_params(key, cfg))(jax.random.key(4))
-    bias = model.init_router_bias(cfg)
+    params = jax.jit(lambda key: transformer.init_params(key, cfg))(jax.random.key(4))
+    bias = transformer.init_router_bias(cfg)
     tokens, segments = batch(cfg, seed=5)
 
     def grads(model_cfg):
-        return jax.jit(jax.grad(lambda p: model.loss_fn(p, bias, tokens, segments, model_cfg)[0]))(params)
+        return jax.jit(jax.grad(lambda p: transformer.loss_fn(p, bias, tokens, segments, model_cfg)[0]))(
+            params
+        )
 
     want = grads(cfg)
     got = grads(cfg.model_copy(update={"remat": policy}))
@@ -181,9 +188,9 @@ def test_every_remat_policy_gives_the_same_gradients(policy):
 # Slow suite (`make test-slow`): the default suite keeps the cheaper checks of the same code.
 @pytest.mark.slow
 def test_optimizer_state_in_pinned_host_memory_trains_like_device_memory():
-    from tokenmill.trainer.run_config import RunConfig, resolve_run_config
-    from tokenmill.trainer.sharding import make_mesh
-    from tokenmill.trainer.train import Phase, compile_train_step, make_schedule
+    from tokenmill.trainer.model.sharding import make_mesh
+    from tokenmill.trainer.run.config import Phase, RunConfig, resolve_run_config
+    from tokenmill.trainer.run.step import compile_train_step
 
     cfg = scanned_config()
     phases = [Phase("pretraining", 0, 10)]
@@ -198,7 +205,7 @@ def test_optimizer_state_in_pinned_host_memory_trains_like_device_memory():
             phases,
         )
         with jax.set_mesh(mesh):
-            init_fn, step_fn, shardings = compile_train_step(run, make_schedule(run, phases), mesh)
+            init_fn, step_fn, shardings = compile_train_step(run, mesh)
             state = init_fn(jax.random.key(0))
             kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state["opt_state"])}
             assert kinds == {memory}
@@ -260,8 +267,8 @@ def test_model_compile_from_a_plain_shell(tmp_path):
     XLA:CPU runs `ragged_dot` (dropless) as a loop of dense matmuls over the experts, E times the work."""
     shape = dict(
         name="compile-tiny", vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
-        seq_len=64, moe=dict(n_experts=8, top_k=2, expert_hidden=256, n_shared_experts=1, dispatch="capacity",
-                             capacity_factor=1.0, expert_parallel=False),
+        sequence_length=64, moe=dict(n_experts=8, top_k=2, expert_hidden=256, n_shared_experts=1,
+                                     dispatch="capacity", capacity_factor=1.0, expert_parallel=False),
     )  # fmt: skip
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(shape))
@@ -278,7 +285,8 @@ def test_model_compile_from_a_plain_shell(tmp_path):
     assert set(memory) >= {"arguments", "outputs", "temps", "total", "host"}
     # AdamW's two moments of every parameter, split 8 ways, live on the host: about 2 x 4 bytes x params / 8.
     n_params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(
-        jax.eval_shape(lambda k: model.init_params(k, ModelConfig(**shape)), jax.random.key(0))))  # fmt: skip
+        jax.eval_shape(lambda k: transformer.init_params(k, ModelConfig(**shape)),
+                       jax.random.key(0))))  # fmt: skip
     assert 0.9 * 8 * n_params / 8 < memory["host"] < 1.3 * 8 * n_params / 8
     assert memory["arguments"] < 1.5 * 4 * n_params / 8  # the parameters, not the moments
     assert memory["total"] == memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temps"]
@@ -311,7 +319,8 @@ def test_the_reference_hero_fits_one_rack():
     fits a GB200's 186 GB per device; XLA's FLOPs agree with the model's count of what the step runs."""
     env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     command = [sys.executable, "-m", "tokenmill", "model", "compile", "configs/models/marin-535b-a23b.yaml",
-               "--devices", "64", "--mesh", "fsdp=8,expert=8", "--batch-size", "1024", "--seq-len", "4096",
+               "--devices", "64", "--mesh", "fsdp=8,expert=8", "--batch-size", "1024",
+               "--sequence-length", "4096",
                "--microbatches", "16", "--optimizer-state", "pinned_host", "--json"]  # fmt: skip
     repo = MODELS.parents[1]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, cwd=repo)

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.cli import main
-from tokenmill.trainer.config import load_model_config
-from tokenmill.trainer.flops import (
+from tokenmill.trainer.model.flops import (
     count_params,
     flops_per_token,
     forecast_compute,
@@ -18,6 +17,7 @@ from tokenmill.trainer.flops import (
     stored_params_from_shapes,
     train_flops,
 )
+from tokenmill.trainer.model.shape import load_model_config
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 

@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 from test_trainer_cli import TINY, read_metrics
 
-from tokenmill.trainer.launch import DistributedSetupError, first_slurm_host, process_group
+from tokenmill.trainer.run.distributed import DistributedSetupError, first_slurm_host, process_group
 
 
 def train(output: Path, steps: int = 4, *extra: str) -> list[str]:
     """The same small synthetic run for every process: 8 sequences of 32 tokens a step."""
-    return [sys.executable, "-m", "tokenmill", "train", "--synthetic", "--model", TINY, "--steps", str(steps),
-            "--seq-len", "32", "--batch-size", "8", "--peak-flops", "1e9", "--checkpoint-every", "2",
+    return [sys.executable, "-m", "tokenmill", "train", "--data.synthetic", "--model", TINY,
+            "--schedule.steps", str(steps), "--data.sequence_length", "32", "--data.batch_size", "8",
+            "--logging.peak_flops", "1e9", "--checkpoint.every", "2",
             "--output", str(output), *extra]  # fmt: skip
 
 

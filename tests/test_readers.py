@@ -13,17 +13,10 @@ import pytest
 import zstandard
 
 from tokenmill import storage
+from tokenmill.corpora.paths import input_root, relative_source
+from tokenmill.corpora.readers import Oversized, bounded_lines, input_format, read_file
+from tokenmill.corpora.records import DuplicateIdError, InputFields
 from tokenmill.filters.normalize import Normalize, normalize_text
-from tokenmill.pipelines.readers import (
-    DuplicateIdError,
-    InputFields,
-    Oversized,
-    bounded_lines,
-    input_format,
-    input_root,
-    read_file,
-    relative_source,
-)
 
 FIELDS = InputFields()
 
@@ -331,7 +324,7 @@ def test_bounded_lines_never_holds_more_than_the_limit():
 def test_zstd_that_expands_enormously_comes_out_in_bounded_chunks():
     import io
 
-    from tokenmill.pipelines import readers
+    from tokenmill.corpora import readers
 
     data = zstandard.ZstdCompressor().compress(b" " * 50_000_000 + b"\n")  # a few kB compressed
     assert len(data) < 100_000

@@ -1,4 +1,4 @@
-"""Token shards in object storage (tokenmill.trainer.remote, issue 23), against the GCS emulator on
+"""Token shards in object storage (tokenmill.trainer.data.remote, issue 23), against the GCS emulator on
 loopback (conftest's `gcs`): batches read with ranged requests equal the local reader's for every step and
 host, flaky requests are retried without changing a batch, missing, truncated and corrupted shards stop
 the run before training naming the shard, the local cache stays in its bound, and a tiny `tokenmill train`
@@ -22,8 +22,8 @@ from tokenmill.cli import main
 from tokenmill.formats.plan import MixturePlan, write_plan
 from tokenmill.mixtures import load_counts, load_mixture_text, plan_mixture
 from tokenmill.tokenize.shards import ShardChecksumError, ShardError
-from tokenmill.trainer.remote import RemoteOptions, ShardCache
-from tokenmill.trainer.sampler import MixtureSource, PrefetchedBatches
+from tokenmill.trainer.data.remote import RemoteOptions, ShardCache
+from tokenmill.trainer.data.sampler import MixtureSource, PrefetchedBatches
 
 # Quick retries: the tests inject failures, they need not wait them out.
 FAST = {"attempts": 3, "backoff_seconds": 0.001}
@@ -253,8 +253,8 @@ def test_missing_truncated_and_corrupted_shards_stop_the_run_before_training(gcs
     run = tmp_path / "run"
     url, shard = damaged_copy(gcs, tokens_dir, "cli")
     fs.rm_file(shard.removeprefix("gs://"))
-    argv = ["train", "--plan", str(tmp_path / "plan.json"), "--tokens", url, "--model", TINY]
-    assert main([*argv, "--output", str(run), "--steps", "2"]) == 2
+    argv = ["train", "--data.plan", str(tmp_path / "plan.json"), "--data.tokens", url, "--model", TINY]
+    assert main([*argv, "--output", str(run), "--schedule.steps", "2"]) == 2
     assert not (run / "metrics.jsonl").exists()
 
 
@@ -318,10 +318,20 @@ def test_a_tiny_run_from_gs_has_the_losses_of_the_run_from_local_shards(gcs, tmp
     url = gcs.upload(tokens, "remote", "train", "tokens")
     mixture = tmp_path / "mixture.yaml"
     mixture.write_text(MIXTURE)
-    common = ["train", "--mixture", str(mixture), "--model", TINY, "--steps", "4", "--peak-flops", "1e9"]
-    assert main([*common, "--tokens", str(tokens), "--output", str(tmp_path / "local")]) == 0
+    common = [
+        "train",
+        "--data.mixture",
+        str(mixture),
+        "--model",
+        TINY,
+        "--schedule.steps",
+        "4",
+        "--logging.peak_flops",
+        "1e9",
+    ]
+    assert main([*common, "--data.tokens", str(tokens), "--output", str(tmp_path / "local")]) == 0
     remote = tmp_path / "remote"
-    assert main([*common, "--tokens", url, "--output", str(remote), "--shard-cache", "1M"]) == 0
+    assert main([*common, "--data.tokens", url, "--output", str(remote), "--data.shard_cache", "1M"]) == 0
     losses = [row["loss"] for row in read_metrics(tmp_path / "local")]
     assert len(losses) == 4 and [row["loss"] for row in read_metrics(remote)] == losses
     config = json.loads((remote / "config.json").read_text())

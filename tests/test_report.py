@@ -614,3 +614,86 @@ def test_long_runs_are_charted_from_evenly_spaced_rows_keeping_boundaries_and_th
     gaps = {b - a for a, b in zip(steps, steps[1:])}
     assert max(gaps) <= 196  # evenly spaced: no hole wider than one stride
     assert chart_rows(rows[:50], limit=2000) == rows[:50]
+
+
+def _figures(html: str) -> dict[str, tuple[dict[str, str], str]]:
+    """Each chart figure's attributes and its SVG, by title."""
+    found = {}
+    for match in re.finditer(r"<figure ([^>]*)>(.*?)</figure>", html, re.S):
+        attrs = dict(re.findall(r'data-([a-z]+)="([^"]*)"', match.group(1)))
+        found[attrs["chart"]] = (attrs, match.group(2))
+    return found
+
+
+def _curves(chart: str) -> list[str]:
+    """The names of the lines a chart draws (each path carries its series' name)."""
+    import html as html_module
+
+    return [html_module.unescape(name) for name in re.findall(r"<path [^>]*><title>([^<]*)</title>", chart)]
+
+
+def test_run_page_charts_every_evaluation_set(site: Path, inputs: ReportInputs) -> None:
+    from tokenmill.formats.evals import read_eval, series
+
+    records = read_eval(str(inputs.run / "eval.jsonl"))
+    heldout = sorted({r.set for r in records if r.kind == "heldout"})
+    external = sorted({r.set for r in records if r.kind == "external"})
+    assert heldout == [f"heldout/domain={d}" for d in sorted(inputs.domains)] and external
+    html = (site / "run.html").read_text()
+    assert (site / "data/run/eval.jsonl").read_bytes() == (inputs.run / "eval.jsonl").read_bytes()
+    assert 'href="data/run/eval.jsonl"' in html
+    figures = _figures(html)
+    for measure in ("bits_per_byte", "loss"):
+        for axis in ("step", "tokens"):
+            drawn = [
+                (attrs, chart)
+                for attrs, chart in figures.values()
+                if attrs.get("measure") == measure and attrs.get("axis") == axis
+            ]
+            by_kind = {attrs["kind"]: chart for attrs, chart in drawn}
+            # One curve per domain's held-out slice and the held-out macro; external sets with the macro.
+            assert _curves(by_kind["heldout"]) == [*heldout, "held-out macro"]
+            assert _curves(by_kind["external"]) == [*external, f"macro over all {len(heldout) + 1} sets"]
+            # The phase boundary is marked on every evaluation chart, against steps and tokens alike.
+            assert by_kind["heldout"].count('class="vline"') == 1
+    # Capacity against dropless, both averages.
+    capacity = figures["Dropless and capacity bits per byte"][1]
+    assert _curves(capacity) == [
+        "heldout_macro dropless",
+        "heldout_macro capacity",
+        "macro dropless",
+        "macro capacity",
+    ]
+    # The table holds the last point's values, as eval.jsonl has them.
+    last = max(r.step for r in records)
+    for name in [*heldout, *external, "heldout_macro", "macro", "micro"]:
+        value = series(records, name, "bits_per_byte")[-1]
+        assert value[0] == last
+        row = re.search(rf'<tr data-set="{re.escape(name)}">(.*?)</tr>', html, re.S)
+        assert row and f"{value[2]:.4f}" in row.group(1)
+    assert "last held-out macro" in html
+
+
+def test_run_page_eval_records_follow_a_run_being_written(inputs: ReportInputs, tmp_path: Path) -> None:
+    from tokenmill.reports.inputs import InputError
+    from tokenmill.reports.runpage import build_run
+
+    run = tmp_path / "run"
+    shutil.copytree(inputs.run, run)
+    whole = (run / "eval.jsonl").read_bytes()
+    # A trainer appending the next evaluation point: its unfinished line waits for the next version.
+    (run / "eval.jsonl").write_bytes(whole + b'{"step": 999, "set": "heldout/dom')
+    page = build_run(str(run))
+    files = {name: payload for name, payload, _ in page["files"]}
+    assert files["data/run/eval.jsonl"] == whole
+    assert page["evaluation"]["last_step"] == max(json.loads(line)["step"] for line in whole.splitlines())
+    # A bad whole line is an error naming the file and line.
+    lines = whole.splitlines(keepends=True)
+    (run / "eval.jsonl").write_bytes(b"".join(lines[:3]) + b'{"step": 1}\n')
+    with pytest.raises(InputError, match=r"eval\.jsonl: line 4"):
+        build_run(str(run))
+    # Without eval.jsonl the page says so and copies nothing.
+    (run / "eval.jsonl").unlink()
+    page = build_run(str(run))
+    assert page["evaluation"] is None
+    assert not any(name.endswith("eval.jsonl") for name, _, _ in page["files"])

@@ -230,3 +230,43 @@ def test_topic_domain_view(browser, tmp_path_factory: pytest.TempPathFactory) ->
     assert visible(browser, ".domain-card") == ["c02"]
     search(browser, "")
     assert console_errors(browser) == []
+
+
+def test_run_page_draws_one_curve_per_domain_held_out_set_and_the_macro(
+    browser, site: Path, inputs: ReportInputs
+) -> None:
+    from tokenmill.formats.evals import read_eval
+
+    records = read_eval(str(inputs.run / "eval.jsonl"))
+    heldout = sorted({r.set for r in records if r.kind == "heldout"})
+    assert heldout == [f"heldout/domain={d}" for d in sorted(inputs.domains)]
+    open_page(browser, site / "run.html")
+    browser.execute_script("document.getElementById('evaluation').scrollIntoView()")
+    # Per chart: the curves the browser laid out (a drawn path with a non-empty box) and their names.
+    charts = browser.execute_script(
+        "return Array.from(document.querySelectorAll('figure.eval-chart')).map(f => ({"
+        " title: f.dataset.chart, kind: f.dataset.kind, measure: f.dataset.measure, axis: f.dataset.axis,"
+        " curves: Array.from(f.querySelectorAll('path')).filter(p => {"
+        "   const box = p.getBBox(); return box.width > 50 && p.getTotalLength() > 50; })"
+        "   .map(p => p.querySelector('title').textContent),"
+        " phases: f.querySelectorAll('line.vline').length,"
+        " visible: f.getBoundingClientRect().width > 200 }))"
+    )
+    held = [c for c in charts if c["kind"] == "heldout"]
+    assert {(c["measure"], c["axis"]) for c in held} == {
+        (m, a) for m in ("bits_per_byte", "loss") for a in ("step", "tokens")
+    }
+    for chart in held:
+        assert chart["curves"] == [*heldout, "held-out macro"], chart["title"]
+        assert chart["phases"] == 1 and chart["visible"], chart["title"]
+    external = [c for c in charts if c["kind"] == "external"]
+    assert external and all(c["curves"][-1].startswith("macro over all") for c in external)
+    # The latest point's table has a row per set and average.
+    rows = browser.execute_script(
+        "return Array.from(document.querySelectorAll('table.evaluation tbody tr')).map(r => r.dataset.set)"
+    )
+    assert rows[: len(heldout)] == heldout and "heldout_macro" in rows
+    element = browser.find_element("id", "evaluation")
+    ARTIFACTS.mkdir(exist_ok=True)
+    element.screenshot(str(ARTIFACTS / "report-run-evaluation.png"))
+    assert console_errors(browser) == []

@@ -12,11 +12,20 @@ from test_trainer_cli import MIXTURE, TINY, read_metrics, write_tokens
 
 from tokenmill.cli import main
 from tokenmill.formats.runs import read_run_record
-from tokenmill.trainer.checkpoint import differences, identity_changes
+from tokenmill.trainer.run.checkpoint import differences, identity_changes
 
-SYNTHETIC = ["train", "--synthetic", "--model", TINY, "--seq-len", "32", "--batch-size", "4"]
-# One schedule for every rerun (16 steps, whatever --steps stops at), so the compiled step is reused.
-SYNTHETIC += ["--peak-flops", "1e9", "--checkpoint-every", "4", "--total-steps", "16"]
+SYNTHETIC = [
+    "train",
+    "--data.synthetic",
+    "--model",
+    TINY,
+    "--data.sequence_length",
+    "32",
+    "--data.batch_size",
+    "4",
+]
+# One schedule for every rerun (16 steps, whatever --schedule.steps stops at), so the compiled step is reused.
+SYNTHETIC += ["--logging.peak_flops", "1e9", "--checkpoint.every", "4", "--schedule.total_steps", "16"]
 
 
 def history(run: Path) -> list[dict]:
@@ -26,24 +35,24 @@ def history(run: Path) -> list[dict]:
 def test_seed_and_model_changes_are_refused_then_allowed_and_recorded(tmp_path, capsys):
     run = tmp_path / "run"
     base = [*SYNTHETIC, "--output", str(run)]
-    assert main([*base, "--steps", "12"]) == 0
+    assert main([*base, "--schedule.steps", "12"]) == 0
     capsys.readouterr()
     first = read_metrics(run)
 
     # Another seed: other batches from step 12 on.
-    assert main([*base, "--steps", "16", "--seed", "1"]) == 1
+    assert main([*base, "--schedule.steps", "16", "--seed", "1"]) == 1
     out = capsys.readouterr().out
     assert f"{run}/checkpoints/12 was trained with a different configuration: seed 0 -> 1" in out, out
     assert "--allow-data-change" in out
     # Another model (the same parameter shapes: only the restore could not have told).
-    assert main([*base, "--steps", "16", "--model.moe.capacity_factor", "2.0"]) == 1
+    assert main([*base, "--schedule.steps", "16", "--model.moe.capacity_factor", "2.0"]) == 1
     out = capsys.readouterr().out
     assert "model " in out and "model.moe.capacity_factor: 1.25 -> 2.0" in out, out
     assert "seed 0" not in out
     # Nothing was trained or recorded by the refused reruns.
     assert read_metrics(run) == first and len(history(run)) == 1
 
-    assert main([*base, "--steps", "16", "--seed", "1", "--allow-data-change"]) == 0
+    assert main([*base, "--schedule.steps", "16", "--seed", "1", "--allow-data-change"]) == 0
     assert "steps 12..15" in capsys.readouterr().out
     assert [row["step"] for row in read_metrics(run)] == list(range(16))
     entries = history(run)
@@ -57,10 +66,10 @@ def test_seed_and_model_changes_are_refused_then_allowed_and_recorded(tmp_path, 
 
     # The checkpoint at 16 is of seed 1: the same command goes on without a flag, and a plain resume of
     # the same configuration adds no history entry.
-    assert main([*base, "--steps", "16", "--seed", "1"]) == 0
-    assert main([*base, "--steps", "16", "--seed", "1", "--config", str(run / "config.json")]) == 0
+    assert main([*base, "--schedule.steps", "16", "--seed", "1"]) == 0
+    assert main([*base, "--schedule.steps", "16", "--seed", "1", "--config", str(run / "config.json")]) == 0
     assert len(history(run)) == 2
-    assert main([*base, "--steps", "16"]) == 1  # back to seed 0 is a change too
+    assert main([*base, "--schedule.steps", "16"]) == 1  # back to seed 0 is a change too
     assert "seed 1 -> 0" in capsys.readouterr().out
 
 
@@ -69,21 +78,31 @@ def test_edited_mixture_weights_are_refused_naming_the_weight(tmp_path, capsys):
     mixture = tmp_path / "mixture.yaml"
     mixture.write_text(MIXTURE)
     run = tmp_path / "run"
-    argv = ["train", "--mixture", str(mixture), "--model", TINY, "--output", str(run), "--peak-flops", "1e9"]
-    assert main([*argv, "--steps", "4", "--checkpoint-every", "4"]) == 0
+    argv = [
+        "train",
+        "--data.mixture",
+        str(mixture),
+        "--model",
+        TINY,
+        "--output",
+        str(run),
+        "--logging.peak_flops",
+        "1e9",
+    ]
+    assert main([*argv, "--schedule.steps", "4", "--checkpoint.every", "4"]) == 0
     capsys.readouterr()
 
     spec = yaml.safe_load(MIXTURE)
     spec["phases"][0]["weights"] = {"domain=web/*": 0.5, "domain=code/*": 0.5}
     mixture.write_text(yaml.safe_dump(spec))
-    assert main([*argv, "--steps", "6"]) == 1
+    assert main([*argv, "--schedule.steps", "6"]) == 1
     out = capsys.readouterr().out
     assert f"{run}/checkpoints/4 was trained with a different configuration: plan " in out, out
     # Sources are matched by name, whatever order the planner lists them in.
     assert "phases[pretraining].sources[domain=web/*].weight: 0.75 -> 0.5" in out, out
     assert "phases[pretraining].sources[domain=code/*].weight: 0.25 -> 0.5" in out, out
 
-    assert main([*argv, "--steps", "6", "--allow-data-change"]) == 0
+    assert main([*argv, "--schedule.steps", "6", "--allow-data-change"]) == 0
     entries = history(run)
     assert [entry["step"] for entry in entries] == [0, 4]
     assert entries[1]["changes"][0].startswith("plan ")
@@ -101,7 +120,7 @@ def test_edited_mixture_weights_are_refused_naming_the_weight(tmp_path, capsys):
 
 def test_identity_changes_tell_refused_from_allowed():
     saved = {"plan_sha256": "a" * 64, "seed": 0, "tokenizer_sha256": "e" * 64, "model_sha256": "m",
-             "model": {"d_model": 64}, "batch_size": 8, "seq_len": 32,
+             "model": {"d_model": 64}, "batch_size": 8, "sequence_length": 32,
              "mesh": {"data": 1, "fsdp": 4, "expert": 1}, "processes": 2}  # fmt: skip
     same = dict(saved)
     assert identity_changes(saved, same) == ([], [])
@@ -161,9 +180,9 @@ def test_a_checkpoint_of_another_optimizer_is_refused_naming_the_checkpoint(tmp_
     and the first path that differs, instead of orbax's bare structure mismatch."""
     run = tmp_path / "run"
     base = [*SYNTHETIC, "--output", str(run)]
-    assert main([*base, "--steps", "4", "--optimizer", "adamw"]) == 0
+    assert main([*base, "--schedule.steps", "4", "--optimizer.kind", "adamw"]) == 0
     capsys.readouterr()
-    assert main([*base, "--steps", "8", "--optimizer", "muon"]) == 2
+    assert main([*base, "--schedule.steps", "8", "--optimizer.kind", "muon"]) == 2
     err = capsys.readouterr().err
     assert f"checkpoint {run}/checkpoints/4 holds a train state laid out otherwise" in err, err
     assert "opt_state" in err and "new --output" in err

@@ -13,17 +13,18 @@ from test_trainer_cli import MIXTURE, TINY, read_metrics, small_plan, write_toke
 from tokenmill.cli import build_parser, main
 from tokenmill.errors import UsageError
 from tokenmill.mixtures import load_mixture, plan_mixture
-from tokenmill.trainer.heuristic import MAY_RECIPE, warmup_steps_for
+from tokenmill.trainer.commands.train import run_config_of
 from tokenmill.trainer.ladder import load_ladder, plan_ladder
-from tokenmill.trainer.run_config import (
+from tokenmill.trainer.run.config import (
+    Phase,
     RunConfig,
     RunConfigError,
     build_run_config,
+    phases_from_plan,
     read_run_config_file,
     resolve_run_config,
 )
-from tokenmill.trainer.train import Phase, phases_from_plan
-from tokenmill.trainer.train_command import run_config_of
+from tokenmill.trainer.run.heuristic import MAY_RECIPE, warmup_steps_for
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "configs" / "runs"
@@ -75,16 +76,17 @@ def test_a_runs_config_json_trains_the_same_run_again(tmp_path, monkeypatch, cap
 
     assert settings(second) == settings(first) and second["output"] == "runs/second"
     # A flag still wins over a config.json.
-    assert parse("--config", "runs/first/config.json", "--lr", "3e-2").optimizer.lr == 3e-2
+    assert parse("--config", "runs/first/config.json", "--optimizer.lr", "3e-2").optimizer.lr == 3e-2
 
 
-def test_flags_win_over_the_file_and_old_spellings_set_the_same_fields(tmp_path):
+def test_flags_win_over_the_file_and_each_setting_has_one_flag(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(
         f"model: {TINY}\noutput: runs/x\noptimizer: {{lr: 1.0e-2, beta1: 0.85}}\nschedule: {{steps: 5}}\n"
         "mesh: {data: 2, fsdp: -1, expert: 1}\ndata: {synthetic: true, shard_cache: 2G}\n"
     )
-    run = parse("--config", str(config), "--lr", "3e-3", "--mesh", "1,-1,4", "--dispatch", "dropless")
+    run = parse("--config", str(config), "--optimizer.lr", "3e-3", "--mesh", "1,-1,4", "--model.moe.dispatch",
+                "dropless")  # fmt: skip
     assert run.optimizer.lr == 3e-3 and run.optimizer.beta1 == 0.85 and run.schedule.steps == 5
     assert (run.mesh.data, run.mesh.fsdp, run.mesh.expert) == (1, -1, 4)
     assert (
@@ -93,12 +95,18 @@ def test_flags_win_over_the_file_and_old_spellings_set_the_same_fields(tmp_path)
     same = parse("--config", str(config), "--optimizer.lr", "3e-3", "--mesh.data", "1", "--mesh.expert", "4",
                  "--model.moe.dispatch", "dropless")  # fmt: skip
     assert same == run
-    assert parse("--config", str(config), "--no-synthetic", "--model.d_model", "32").data.synthetic is False
+    # One flag per setting: the spellings of earlier releases are gone.
+    for old in (["--lr", "3e-3"], ["--dispatch", "dropless"], ["--steps", "5"]):
+        with pytest.raises(SystemExit):
+            parse("--config", str(config), *old)
+        assert "unrecognized arguments" in capsys.readouterr().err
+    no_synthetic = parse("--config", str(config), "--no-data.synthetic", "--model.d_model", "32")
+    assert no_synthetic.data.synthetic is False
     assert parse("--config", str(config), "--model.d_model", "32").model.d_model == 32
     # A model given as a file on the command line replaces the file's, and its fields can then be changed.
     marin = parse("--config", str(config), "--model", str(REPO / "configs/models/tiny-marin.yaml"))
     assert marin.model.name == "tiny-marin"
-    assert parse("--shard-cache", "1M", "--model", TINY).data.shard_cache == 10**6
+    assert parse("--data.shard_cache", "1M", "--model", TINY).data.shard_cache == 10**6
 
 
 def test_unknown_and_bad_fields_name_the_file_and_the_field(tmp_path, capsys):
@@ -107,13 +115,16 @@ def test_unknown_and_bad_fields_name_the_file_and_the_field(tmp_path, capsys):
         (f"model: {TINY}\noptimizer: {{lrr: 0.1}}\n", "optimizer.lrr"),
         (f"model: {TINY}\noptimiser: {{lr: 0.1}}\n", "optimiser"),
         ("model: {name: x, vocab_size: 10, d_model: 8, n_layers: 1, n_heads: 1, n_kv_heads: 1, head_dim: 8,"
-         " seq_len: 8, moe: {n_experts: 2, top_k: 1, expert_hidden: 4}, colour: red}\n", "model.colour"),
+         " sequence_length: 8, moe: {n_experts: 2, top_k: 1, expert_hidden: 4}, colour: red}\n",
+         "model.colour"),
         (f"model: {TINY}\nschedule: {{steps: many}}\n", "schedule.steps"),
         (f"model: {TINY}\nmesh: {{data: -1, fsdp: -1}}\n", "mesh"),
         (f"model: {TINY}\noptimizer:\n  lr: 0.1\n  lr: 0.2\n", "not valid YAML"),
     ]:  # fmt: skip
         config.write_text(text)
-        assert main(["train", "--config", str(config), "--synthetic", "--output", str(tmp_path / "r")]) == 2
+        assert (
+            main(["train", "--config", str(config), "--data.synthetic", "--output", str(tmp_path / "r")]) == 2
+        )
         err = capsys.readouterr().err
         assert f"{config}: {field}" in err, err
     config.write_text("model: configs/models/no-such-model.yaml\n")
@@ -137,8 +148,8 @@ def test_unknown_and_bad_fields_name_the_file_and_the_field(tmp_path, capsys):
 def test_resolving_fills_in_the_marin_recipe_once(tmp_path):
     run = build_run_config({"model": str(REPO / "configs/models/tiny-marin.yaml"), "output": "x"})
     phases = [Phase("pretraining", 0, 800), Phase("midtraining", 800, 1000)]
-    resolved = resolve_run_config(run, phases)
-    tokens_per_batch = 8 * resolved.model.seq_len
+    resolved = resolve_run_config(run, phases).config
+    tokens_per_batch = 8 * resolved.model.sequence_length
     recipe = MAY_RECIPE.hyperparameters(1000 * tokens_per_batch, resolved.model.d_model, tokens_per_batch)
     assert resolved.optimizer.kind == "muonh" and resolved.optimizer.lr == recipe["lr"]
     assert resolved.optimizer.adam_lr == recipe["adam_lr"] and resolved.optimizer.epsilon == recipe["epsilon"]
@@ -148,15 +159,15 @@ def test_resolving_fills_in_the_marin_recipe_once(tmp_path):
     )
     assert (resolved.optimizer.clip_norm, resolved.optimizer.weight_decay) == (0.0, 0.0)
     assert resolved.schedule.steps == 800 and resolved.schedule.min_lr_ratio == 0.05
-    assert resolve_run_config(resolved, phases) == resolved
+    assert resolve_run_config(resolved, phases).config == resolved
     # Given only the MuonH rate, the Adam group keeps Marin's ratio to it.
-    faster = resolve_run_config(run.with_values({"optimizer.lr": 0.013}), phases)
+    faster = resolve_run_config(run.with_values({"optimizer.lr": 0.013}), phases).config
     assert faster.optimizer.adam_lr == pytest.approx(0.003)
     with pytest.raises(RunConfigError, match="phase 'cooldown' is not in the plan"):
         resolve_run_config(run.with_values({"data.phase": "cooldown"}), phases)
     planned = small_plan({"pretraining": 800, "midtraining": 200}, batch_size=8)
     assert phases_from_plan(planned) == phases
-    with pytest.raises(RunConfigError, match=r"batch size 4 \(--batch-size\) differs from the plan's 8"):
+    with pytest.raises(RunConfigError, match=r"batch size 4 \(--data.batch_size\) differs from the plan's 8"):
         resolve_run_config(run.with_values({"data.batch_size": 4}), phases, planned)
 
 
@@ -174,7 +185,7 @@ def test_the_marin_rung_trains_with_the_ladders_optimizer(monkeypatch):
     monkeypatch.chdir(REPO)
     run = build_run_config(read_run_config_file("configs/runs/marin-d768.yaml"))
     plan = plan_mixture(load_mixture(run.data.mixture))
-    resolved = resolve_run_config(run, phases_from_plan(plan), plan)
+    resolved = resolve_run_config(run, phases_from_plan(plan), plan).config
     rung = next(
         r for r in plan_ladder(load_ladder("configs/ladders/marin.yaml"))["rungs"] if r["name"] == "d768"
     )

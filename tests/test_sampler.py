@@ -1,4 +1,4 @@
-"""Tests for the uniform sampler (tokenmill.trainer.sampler, issue 7): permutations, mixing, resume, slices.
+"""Tests for the uniform sampler (trainer/data/sampler.py, issue 7): permutations, mixing, resume, slices.
 
 Fixtures are real token shards: .bin/.idx written here following docs/formats.md, manifests and
 counts.json by the tokenize writer's own functions, and plans by the real planner.
@@ -23,19 +23,11 @@ from tokenmill.mixtures import load_counts, load_mixture, load_mixture_text, pla
 from tokenmill.tokenize.shards import ShardError
 from tokenmill.tokenize.tokenizer import TokenizerInfo
 from tokenmill.tokenize.writer import write_counts, write_manifest, write_shard
-from tokenmill.trainer.data import BatchSource, check_source, segments_from_eos
-from tokenmill.trainer.direct_io import DirectIOUnavailable, DirectReader
-from tokenmill.trainer.sampler import (
-    BlockShuffle,
-    MixtureSource,
-    PrefetchedBatches,
-    _granular_permute,
-    derive_key,
-    mix64,
-    permute,
-    segment_ids,
-)
-from tokenmill.trainer.windows import advise, open_reads
+from tokenmill.trainer.data.batch import BatchSource, check_source, segments_from_eos
+from tokenmill.trainer.data.direct_io import DirectIOUnavailable, DirectReader
+from tokenmill.trainer.data.permutations import BlockShuffle, derive_key, granular_permute, mix64, permute
+from tokenmill.trainer.data.sampler import MixtureSource, PrefetchedBatches
+from tokenmill.trainer.data.windows import advise, open_reads
 
 SHA = "a" * 64
 EOS = 0
@@ -194,7 +186,7 @@ def test_block_shuffle_and_granular_subset_are_bijections(size, width, buffer, k
     keys = np.full(size, key, dtype=np.uint64)
     out = shuffle.order(np.arange(size), size, keys)
     assert np.array_equal(np.sort(out), np.arange(size))
-    out = _granular_permute(np.arange(size), size, key, width)
+    out = granular_permute(np.arange(size), size, key, width)
     assert np.array_equal(np.sort(out), np.arange(size))
 
 
@@ -367,11 +359,14 @@ def test_host_slices_are_disjoint_and_cover_the_batch(plan, tokens_dir, processe
     seed=st.integers(0, 2**32),
 )
 def test_segment_ids_equal_the_trainers_definition(rows, width, density, seed):
+    # The definition (data.batch.Batch): an exclusive cumulative count of end-of-text tokens per row.
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, 50, size=(rows, width)).astype(np.int32)
     tokens[rng.random((rows, width)) < density] = EOS
-    assert np.array_equal(segment_ids(tokens, EOS), segments_from_eos(tokens, EOS))
-    assert segment_ids(tokens, EOS).dtype == np.int32
+    is_eos = (tokens == EOS).astype(np.int32)
+    definition = np.cumsum(is_eos, axis=-1) - is_eos
+    assert np.array_equal(segments_from_eos(tokens, EOS), definition)
+    assert segments_from_eos(tokens, EOS).dtype == np.int32
 
 
 def test_segment_ids_change_after_end_of_text(plan, tokens_dir):
@@ -604,7 +599,7 @@ def test_plan_errors_are_clear(plan, tokens_dir):
 
 
 def test_a_plan_file_reads_back_to_the_same_batches(tmp_path, plan, tokens_dir):
-    # `tokenmill train --plan` reads the file `tokenmill mixture plan --json` wrote: the same batches.
+    # `tokenmill train --data.plan` reads the file `tokenmill mixture plan --json` wrote: the same batches.
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
     read_back = read_plan(str(path))
@@ -645,17 +640,25 @@ def test_the_trainer_trains_on_a_plan_and_resumes(tmp_path, plan, tokens_dir):
     from conftest import run_tokenmill
 
     write_plan(str(tmp_path / "plan.json"), plan)
-    args = ["train", "--plan", str(tmp_path / "plan.json"), "--tokens", tokens_dir, "--phase", "pretraining"]
+    args = [
+        "train",
+        "--data.plan",
+        str(tmp_path / "plan.json"),
+        "--data.tokens",
+        tokens_dir,
+        "--data.phase",
+        "pretraining",
+    ]
     args += [
         "--model",
         "configs/models/tiny.yaml",
         "--output",
         str(tmp_path / "run"),
-        "--checkpoint-every",
+        "--checkpoint.every",
         "2",
     ]
-    run_tokenmill(*args, "--steps", "2")
-    run_tokenmill(*args, "--steps", "4")  # resumes from the step-2 checkpoint
+    run_tokenmill(*args, "--schedule.steps", "2")
+    run_tokenmill(*args, "--schedule.steps", "4")  # resumes from the step-2 checkpoint
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     assert all(row["tokens"] == (row["step"] + 1) * plan.tokens_per_step for row in rows)

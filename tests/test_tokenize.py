@@ -20,7 +20,8 @@ from conftest import tree_bytes
 
 from tokenmill.cli import main
 from tokenmill.formats.documents import DOCUMENT_SCHEMA
-from tokenmill.tokenize import ShardChecksumError, ShardError, TokenCatalog, TokenShards
+from tokenmill.tokenize import EvalShards, ShardChecksumError, ShardError, TokenCatalog, TokenShards
+from tokenmill.tokenize.heldout import document_key
 from tokenmill.tokenize.tokenizer import dtype_for_vocab, load_tokenizer, sha256_bytes
 
 # Text that a lossy tokenizer would not give back: accents (NFC), code with tabs and runs of spaces,
@@ -157,15 +158,57 @@ def test_dtype_is_uint16_when_the_vocabulary_fits_else_uint32():
 # --- tokenize output ---------------------------------------------------------------------------------------
 
 
+def cell_rows(curated: Path, cell: str) -> list[tuple[str, str]]:
+    """(id, text) of a curated cell's documents in stream order (files sorted, rows in order)."""
+    rows = []
+    for path in sorted((curated / cell).glob("*.parquet")):
+        table = pq.read_table(path, columns=["id", "text"])
+        rows += zip(table.column("id").to_pylist(), table.column("text").to_pylist(), strict=True)
+    return rows
+
+
+def split_by_slice(curated: Path, tokens: Path, cell: str) -> tuple[list[str], list[str]]:
+    """(training texts in stream order, held-out texts in key order) of a cell, from its slice's last key."""
+    rows = cell_rows(curated, cell)
+    last = json.loads((tokens / cell / "heldout" / "manifest.json").read_text())["last"]
+    bound = (int(last.split(":", 1)[0], 16), last.split(":", 1)[1])
+    held = [
+        text for key, i, text in sorted((document_key(i), i, text) for i, text in rows) if (key, i) <= bound
+    ]
+    return [text for i, text in rows if (document_key(i), i) > bound], held
+
+
 def test_decoding_each_document_gives_back_its_text(corpus, tokens, tokenizer_path):
+    """Training shards hold every document but the cell's held-out slice (by default on), in order; the
+    slice holds the rest, in key order; together they are the cell."""
     tokenizer, info = load_tokenizer(str(tokenizer_path))
+    held_out = 0
     for cell, texts in corpus[1].items():
+        rows = cell_rows(corpus[0], cell)
+        assert [text for _, text in rows] == texts
+        slice_ = EvalShards(
+            str(tokens / cell / "heldout"), expected_tokenizer_sha256=info.sha256, verify=True
+        )
+        last = slice_.manifest.last
+        assert last is not None  # min_documents 1: every cell of two or more documents has a slice
+        bound = (int(last.split(":", 1)[0], 16), last.split(":", 1)[1])
+        keyed = sorted((document_key(i), i, text) for i, text in rows)
+        held = [text for key, i, text in keyed if (key, i) <= bound]
+        training = [text for i, text in rows if (document_key(i), i) > bound]
         shards = TokenShards(str(tokens / cell), expected_tokenizer_sha256=info.sha256, verify=True)
-        assert len(shards) == len(texts)
-        for i, text in enumerate(texts):
-            ids = shards.document(i)
-            assert info.eos_id not in ids
-            assert tokenizer.decode(ids.tolist(), skip_special_tokens=False) == text
+        assert (
+            len(shards) == len(training)
+            and len(slice_) == len(held)
+            and len(held) + len(training) == len(rows)
+        )
+        for reader, expected in ((shards, training), (slice_, held)):
+            for i, text in enumerate(expected):
+                ids = reader.document(i)
+                assert info.eos_id not in ids
+                assert tokenizer.decode(ids.tolist(), skip_special_tokens=False) == text
+        assert slice_.num_bytes == sum(len(text.encode("utf-8")) for text in held)
+        held_out += len(held)
+    assert held_out >= 2
 
 
 def test_end_of_text_follows_every_document_and_nothing_else(tokens, tokenizer_path):
@@ -303,13 +346,24 @@ def test_a_changed_source_file_is_tokenized_again(corpus, tokens, tokenizer_path
     shutil.copytree(corpus[0], curated)
     copy = copy_tokens(tokens, tmp_path / "tokens")
     write_cell_file(curated, "code", 3, 1, 2, ["a different document", "and another"])
+    web = {p: p.stat().st_ino for p in (copy / "domain=web/quality=1").glob("part-*")}
     assert tokenize(curated, copy, tokenizer_path, "--resume") == 0
-    shards = TokenShards(str(copy / "domain=code/quality=3"), verify=True)
-    assert shards.shards[1]["documents"] == 2
-    assert (
-        shards.shards[0]
-        == json.loads((tokens / "domain=code/quality=3/manifest.json").read_text())["shards"][0]
+    cell = "domain=code/quality=3"
+    shards = TokenShards(str(copy / cell), verify=True)
+    training, held = split_by_slice(curated, copy, cell)
+    assert shards.shards[1]["documents"] == 2 - sum(
+        text in held for text in ["a different document", "and another"]
     )
+    assert len(shards) == len(training)
+    # The cell's slice is a prefix of all its documents in key order, so a changed file may move it: shard 0
+    # is kept only if the slice did not move, and otherwise made again without the new slice.
+    before = json.loads((tokens / cell / "heldout/manifest.json").read_text())["last"]
+    after = json.loads((copy / cell / "heldout/manifest.json").read_text())["last"]
+    marker = json.loads((copy / cell / "part-00000.done.json").read_text())
+    assert marker["heldout_last"] == after
+    old = json.loads((tokens / cell / "manifest.json").read_text())["shards"][0]
+    assert (shards.shards[0] == old) == (before == after)
+    assert {p: p.stat().st_ino for p in (copy / "domain=web/quality=1").glob("part-*")} == web  # kept
 
 
 def test_an_earlier_run_is_refused_unless_resume_or_overwrite(
@@ -351,7 +405,7 @@ def test_resume_refuses_shards_this_run_would_not_write(corpus, tokens, tokenize
     shutil.rmtree(cell)
     shutil.copytree(tokens / "domain=code/quality=3", cell)
     assert tokenize(corpus[0], copy, tokenizer_path, "--resume") == 2
-    assert "domain=gone/quality=1/manifest.json" in capsys.readouterr().err
+    assert "domain=gone/quality=1/" in capsys.readouterr().err
 
     assert tokenize(corpus[0], copy, tokenizer_path, "--overwrite") == 0
     assert not (copy / "domain=gone").exists()  # its files, then its emptied folders
@@ -465,7 +519,9 @@ def test_a_vocabulary_past_65536_is_stored_as_uint32(corpus, tokenizer_path, tmp
     assert (output / cell / "part-00000.bin").stat().st_size == 4 * shards.shards[0]["tokens"]
     assert tokenizer.encode("x").ids[0] == 69_998  # the post-processor would add BOS...
     assert 69_998 not in shards.tokens(0, shards.num_tokens)  # ...but shards hold none
-    for i, text in enumerate(corpus[1][cell]):
+    training, _ = split_by_slice(corpus[0], output, cell)
+    assert len(shards) == len(training)
+    for i, text in enumerate(training):
         start, stop = shards.document_bounds(i)
         assert int(shards.tokens(start, stop)[-1]) == 69_999
         assert tokenizer.decode(shards.document(i).tolist(), skip_special_tokens=False) == text

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 from test_trainer_cli import small_plan
 
-from tokenmill.trainer.config import ModelConfig, MoEConfig
-from tokenmill.trainer.data import Batch, SyntheticSource, check_source, segments_from_eos
-from tokenmill.trainer.optim import LayerwiseOptimizer, Schedule, make_optimizer
-from tokenmill.trainer.run_config import RunConfig, set_dotted
-from tokenmill.trainer.train import Phase, TrainingError, make_schedule, phases_from_plan, train
+from tokenmill.trainer.data.batch import Batch, SyntheticSource, check_source, segments_from_eos
+from tokenmill.trainer.model.shape import ModelConfig, MoEConfig
+from tokenmill.trainer.run.config import Phase, RunConfig, phases_from_plan, resolve_run_config, set_dotted
+from tokenmill.trainer.run.loop import train
+from tokenmill.trainer.run.optim import LayerwiseOptimizer, Schedule, make_optimizer
+from tokenmill.trainer.run.resume import TrainingError
+from tokenmill.trainer.run.step import make_schedule
 
 METRIC_KEYS = {
     "step", "phase", "loss", "lr", "tokens", "tokens_per_second", "flops", "mfu", "grad_norm", "param_norm",
@@ -29,7 +31,8 @@ def tiny(**moe_overrides) -> ModelConfig:
     moe_cfg = dict(n_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, bias_rate=0.01)
     moe_cfg.update(moe_overrides)
     return ModelConfig(
-        name="test", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, seq_len=32,
+        name="test", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+        sequence_length=32,
         moe=MoEConfig(**moe_cfg),
     )  # fmt: skip
 
@@ -45,13 +48,15 @@ def config(tmp_path, model_cfg: ModelConfig | None = None, **overrides) -> RunCo
 
 
 def source(cfg: ModelConfig, batch_size: int = 4, seed: int = 0) -> SyntheticSource:
-    return SyntheticSource(cfg.vocab_size, cfg.seq_len, batch_size, seed, active_vocab=64)
+    return SyntheticSource(cfg.vocab_size, cfg.sequence_length, batch_size, seed, active_vocab=64)
 
 
 def test_loss_falls_quickly(tmp_path):
     started = time.perf_counter()
     model_cfg = tiny()
-    rows = train(config(tmp_path, model_cfg), source(model_cfg), [Phase("pretraining", 0, 60)])
+    rows = train(
+        resolve_run_config(config(tmp_path, model_cfg), [Phase("pretraining", 0, 60)]), source(model_cfg)
+    )
     assert len(rows) == 60
     first, last = np.mean([r["loss"] for r in rows[:5]]), np.mean([r["loss"] for r in rows[-5:]])
     assert first > 5.0 and last < first - 1.5, (first, last)
@@ -78,11 +83,11 @@ def test_loss_falls_quickly(tmp_path):
 def test_resume_is_exact(tmp_path):
     model_cfg = tiny()
     phases = [Phase("pretraining", 0, 8)]
-    straight = train(config(tmp_path / "a"), source(model_cfg), phases)
+    straight = train(resolve_run_config(config(tmp_path / "a"), phases), source(model_cfg))
     # Four steps, then "killed" (the checkpoint at 4 is the last thing it wrote), then the same command again.
     interrupted = config(tmp_path / "b", checkpoint__every=4)
-    first = train(interrupted, source(model_cfg), phases, stop_after=4)
-    second = train(config(tmp_path / "b", checkpoint__every=4), source(model_cfg), phases)
+    first = train(resolve_run_config(interrupted, phases), source(model_cfg), stop_after=4)
+    second = train(resolve_run_config(config(tmp_path / "b", checkpoint__every=4), phases), source(model_cfg))
     assert [r["step"] for r in first] == [0, 1, 2, 3] and [r["step"] for r in second] == [4, 5, 6, 7]
     assert [r["loss"] for r in first + second] == [r["loss"] for r in straight]
     assert [r["router_bias_norm"] for r in first + second] == [r["router_bias_norm"] for r in straight]
@@ -96,14 +101,17 @@ def test_midtraining_continues_from_pretraining_with_the_decay(tmp_path):
     assert phases == [Phase("pretraining", 0, 6), Phase("midtraining", 6, 10)]
     with pytest.raises(TrainingError, match="continues from the previous phase"):
         train(
-            config(tmp_path, data__phase="midtraining", schedule__warmup_steps=2), source(model_cfg), phases
+            resolve_run_config(config(tmp_path, data__phase="midtraining", schedule__warmup_steps=2), phases),
+            source(model_cfg),
         )
     # Pretraining stops early (3 of its 6 steps); midtraining still starts at its own step 6.
-    pre = train(config(tmp_path, schedule__steps=3, schedule__warmup_steps=2), source(model_cfg), phases)
+    pre = train(
+        resolve_run_config(config(tmp_path, schedule__steps=3, schedule__warmup_steps=2), phases),
+        source(model_cfg),
+    )
     mid = train(
-        config(tmp_path, data__phase="midtraining", schedule__warmup_steps=2),
+        resolve_run_config(config(tmp_path, data__phase="midtraining", schedule__warmup_steps=2), phases),
         source(model_cfg, seed=1),
-        phases,
     )
     assert [r["step"] for r in pre] == [0, 1, 2] and [r["step"] for r in mid] == [6, 7, 8, 9]
     assert {r["phase"] for r in mid} == {"midtraining"}
@@ -123,14 +131,16 @@ def test_nan_loss_stops_and_names_the_last_good_checkpoint(tmp_path):
     with pytest.raises(
         TrainingError, match=r"at step \d+ .*Last good checkpoint: .*checkpoints/\d+"
     ) as error:
-        train(cfg, source(model_cfg), [Phase("pretraining", 0, 20)])
+        train(resolve_run_config(cfg, [Phase("pretraining", 0, 20)]), source(model_cfg))
     assert "loss is" in str(error.value)
 
 
 def test_schedules_span_phases(tmp_path):
     phases = [Phase("pretraining", 0, 80), Phase("midtraining", 80, 100)]
     wsd = make_schedule(
-        config(tmp_path, optimizer__lr=1.0, schedule__warmup_steps=10, schedule__min_lr_ratio=0.1), phases
+        resolve_run_config(
+            config(tmp_path, optimizer__lr=1.0, schedule__warmup_steps=10, schedule__min_lr_ratio=0.1), phases
+        )
     )
     assert (wsd.total_steps, wsd.decay_steps) == (100, 20)
     assert float(wsd(0)) == pytest.approx(0.1) and float(wsd(9)) == pytest.approx(1.0)
@@ -182,7 +192,7 @@ def test_out_of_vocabulary_tokens_are_refused(tmp_path):
 
     model_cfg = tiny()
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        train(config(tmp_path, model_cfg), Wide(256, 32, 4), [Phase("pretraining", 0, 2)])
+        train(resolve_run_config(config(tmp_path, model_cfg), [Phase("pretraining", 0, 2)]), Wide(256, 32, 4))
 
 
 def test_muon_orthogonalises_matrices_and_leaves_the_rest_to_adam():
@@ -223,7 +233,9 @@ def test_weights_and_biases_gets_the_metrics_when_installed(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
     model_cfg = tiny()
     cfg = config(tmp_path, schedule__steps=2, logging__wandb_project="tokenmill-test")
-    train(cfg, source(model_cfg), [Phase("pretraining", 0, 60)])  # the loss test's compile
+    train(
+        resolve_run_config(cfg, [Phase("pretraining", 0, 60)]), source(model_cfg)
+    )  # the loss test's compile
     assert [step for step, _ in logged[:2]] == [0, 1] and logged[-1] == "finished"
     row = logged[0][1]
     assert {"loss", "lr", "mfu", "router_bias_norm/layer0", "expert_imbalance/layer1"} <= set(row)
@@ -234,15 +246,15 @@ def test_weights_and_biases_gets_the_metrics_when_installed(tmp_path, monkeypatc
 def test_microbatches_equal_one_pass(balancing):
     """Gradient accumulation over 2 microbatches is the one-pass step: loss, gradient norm, the router load
     behind the bias update, and the parameters after the update agree to float rounding (fp32)."""
-    from tokenmill.trainer import model
-    from tokenmill.trainer.train import make_train_step
+    from tokenmill.trainer.model import transformer
+    from tokenmill.trainer.run.step import make_train_step
 
     model_cfg = tiny(dispatch="dropless", balancing=balancing)
-    params = model.init_params(jax.random.key(0), model_cfg)
+    params = transformer.init_params(jax.random.key(0), model_cfg)
     tx = LayerwiseOptimizer(make_optimizer("adamw", weight_decay=0.1, clip_norm=None), clip_norm=1.0)
     schedule = Schedule("wsd", 3e-3, 10, 0, 2)
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
-             "router_bias": model.init_router_bias(model_cfg)}  # fmt: skip
+             "router_bias": transformer.init_router_bias(model_cfg)}  # fmt: skip
     batch = source(model_cfg, batch_size=4).batch(0)
     tokens, segments = jnp.asarray(batch.tokens), jnp.asarray(batch.segment_ids)
     outcomes = {}
@@ -265,7 +277,7 @@ def test_microbatches_equal_one_pass(balancing):
 
 
 def test_microbatches_must_divide_the_batch(tmp_path):
-    from tokenmill.trainer.run_config import RunConfigError, resolve_run_config
+    from tokenmill.trainer.run.config import RunConfigError
 
     with pytest.raises(RunConfigError, match="microbatches 3 does not divide the batch of 4"):
         resolve_run_config(config(tmp_path, optimizer__microbatches=3), [Phase("pretraining", 0, 5)])

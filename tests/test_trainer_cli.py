@@ -92,8 +92,18 @@ def test_train_on_a_mixture_from_the_command_line(tmp_path, capsys):
     mixture = tmp_path / "mixture.yaml"
     mixture.write_text(MIXTURE)
     run = tmp_path / "run"
-    argv = ["train", "--mixture", str(mixture), "--model", TINY, "--output", str(run), "--peak-flops", "1e9"]
-    assert main([*argv, "--steps", "12", "--lr", "1e-2"]) == 0
+    argv = [
+        "train",
+        "--data.mixture",
+        str(mixture),
+        "--model",
+        TINY,
+        "--output",
+        str(run),
+        "--logging.peak_flops",
+        "1e9",
+    ]
+    assert main([*argv, "--schedule.steps", "12", "--optimizer.lr", "1e-2"]) == 0
     assert "phase pretraining steps 0..11" in capsys.readouterr().out
     rows = read_metrics(run)
     assert [row["step"] for row in rows] == list(range(12))
@@ -103,38 +113,55 @@ def test_train_on_a_mixture_from_the_command_line(tmp_path, capsys):
     assert (run / "checkpoints" / "12").is_dir()
     # Read through memory maps instead of direct reads: the same batches, so the same losses.
     mapped = tmp_path / "mapped"
-    argv_mapped = [*argv[:5], "--output", str(mapped), "--peak-flops", "1e9", "--lr", "1e-2"]
-    assert main([*argv_mapped, "--steps", "3", "--reader", "mmap"]) == 0
+    argv_mapped = [
+        *argv[:5],
+        "--output",
+        str(mapped),
+        "--logging.peak_flops",
+        "1e9",
+        "--optimizer.lr",
+        "1e-2",
+    ]
+    assert main([*argv_mapped, "--schedule.steps", "3", "--data.reader", "mmap"]) == 0
     assert [row["loss"] for row in read_metrics(mapped)] == [row["loss"] for row in rows[:3]]
     # Fail fast, before any compiling: shards from another tokenizer than the one asked for...
-    assert main([*argv, "--steps", "13", "--tokenizer-sha256", "b" * 64]) == 2
+    assert main([*argv, "--schedule.steps", "13", "--data.tokenizer_sha256", "b" * 64]) == 2
     assert "tokenizer sha256" in capsys.readouterr().err
     # ...and a tokenizer vocabulary larger than the model's (tiny.yaml: 8192).
     write_tokens(tmp_path / "wide" / "tokens", vocab_size=10_000)
     (tmp_path / "wide" / "mixture.yaml").write_text(MIXTURE)
-    wide = ["train", "--mixture", str(tmp_path / "wide" / "mixture.yaml"), "--model", TINY]
-    assert main([*wide, "--output", str(tmp_path / "run2"), "--steps", "2"]) == 2
+    wide = ["train", "--data.mixture", str(tmp_path / "wide" / "mixture.yaml"), "--model", TINY]
+    assert main([*wide, "--output", str(tmp_path / "run2"), "--schedule.steps", "2"]) == 2
     assert "vocabulary (10000) is larger than the model's vocab_size (8192)" in capsys.readouterr().err
 
 
 def test_usage_errors(tmp_path, capsys):
     out = str(tmp_path / "run")
-    assert main(["train", "--model", TINY, "--steps", "3", "--output", out]) == 2
-    assert "--mixture" in capsys.readouterr().err
+    assert main(["train", "--model", TINY, "--schedule.steps", "3", "--output", out]) == 2
+    assert "--data.mixture" in capsys.readouterr().err
     assert (
         main(
-            ["train", "--synthetic", "--model", str(tmp_path / "nope.yaml"), "--steps", "3", "--output", out]
+            [
+                "train",
+                "--data.synthetic",
+                "--model",
+                str(tmp_path / "nope.yaml"),
+                "--schedule.steps",
+                "3",
+                "--output",
+                out,
+            ]
         )
         == 2
     )
     assert "cannot read model config" in capsys.readouterr().err
     plan = tmp_path / "plan.json"
     write_plan(str(plan), small_plan({"pretraining": 4}))
-    args = ["train", "--synthetic", "--plan", str(plan), "--model", TINY, "--output", out]
-    assert main([*args, "--phase", "cooldown"]) == 2
+    args = ["train", "--data.synthetic", "--data.plan", str(plan), "--model", TINY, "--output", out]
+    assert main([*args, "--data.phase", "cooldown"]) == 2
     assert "phase 'cooldown' is not in the plan" in capsys.readouterr().err
-    assert main([*args, "--seq-len", "4096"]) == 2
-    assert "longer than the model's seq_len" in capsys.readouterr().err
+    assert main([*args, "--data.sequence_length", "4096"]) == 2
+    assert "longer than the model's sequence_length" in capsys.readouterr().err
     # A plan file that breaks the format is refused before anything trains, naming the file and the fields.
     plan.write_text(json.dumps({"sequence_length": 32, "batch_size": "4", "phases": [
         {"name": "pretraining", "start_step": 0, "end_step": 4}]}))  # fmt: skip
@@ -151,8 +178,17 @@ def test_usage_errors(tmp_path, capsys):
 def test_kill_and_rerun_matches_a_straight_run(tmp_path):
     """SIGKILL a real training process mid-run (async checkpoint saves in flight), rerun the same command."""
     cli = [sys.executable, "-c", "import sys; from tokenmill.cli import main; sys.exit(main())"]
-    common = [*cli, "train", "--synthetic", "--model", TINY, "--steps", "40"]
-    common += ["--seq-len", "32", "--batch-size", "4", "--peak-flops", "1e9", "--checkpoint-every", "5"]
+    common = [*cli, "train", "--data.synthetic", "--model", TINY, "--schedule.steps", "40"]
+    common += [
+        "--data.sequence_length",
+        "32",
+        "--data.batch_size",
+        "4",
+        "--logging.peak_flops",
+        "1e9",
+        "--checkpoint.every",
+        "5",
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     subprocess.run([*common, "--output", str(straight)], env=env, check=True, capture_output=True)

@@ -17,18 +17,19 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys, tempfile
     import jax
-    from tokenmill.trainer.config import ModelConfig, MoEConfig
-    from tokenmill.trainer.data import SyntheticSource
-    from tokenmill.trainer.sharding import make_mesh, param_shardings
-    from tokenmill.trainer import model
-    from tokenmill.trainer.run_config import RunConfig
-    from tokenmill.trainer.train import Phase, train
+    from tokenmill.trainer.model.shape import ModelConfig, MoEConfig
+    from tokenmill.trainer.data.batch import SyntheticSource
+    from tokenmill.trainer.model.sharding import make_mesh, param_shardings
+    from tokenmill.trainer.model import transformer
+    from tokenmill.trainer.run.config import Phase, RunConfig, resolve_run_config
+    from tokenmill.trainer.run.loop import train
 
     assert jax.device_count() == 8, jax.devices()
     result = {}
     for dispatch in ("capacity", "dropless"):
         cfg = ModelConfig(
-            name="t", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, seq_len=32,
+            name="t", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+            sequence_length=32,
             sliding_window=16, sliding_window_layers=[1],
             moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, dispatch=dispatch,
                           capacity_factor=1.0, bias_rate=0.01),
@@ -42,9 +43,9 @@ SCRIPT = textwrap.dedent(
             run = RunConfig(output=out, model=cfg, data={"batch_size": 8}, mesh=sizes,
                             logging={"peak_flops": 1e9}, schedule={"warmup_steps": 1},
                             optimizer={"state_memory": memory or "device"})
-            rows = train(run, source, [Phase("pretraining", 0, 3)])
+            rows = train(resolve_run_config(run, [Phase("pretraining", 0, 3)]), source)
             result[f"{dispatch}/{mesh}"] = [[r["loss"], r["grad_norm"], r["drop_fraction"]] for r in rows]
-    abstract = jax.eval_shape(lambda k: model.init_params(k, cfg), jax.random.key(0))
+    abstract = jax.eval_shape(lambda k: transformer.init_params(k, cfg), jax.random.key(0))
     shardings = param_shardings(abstract, make_mesh((2, 2, 2)))
     result["w_gate_spec"] = str(shardings["layers"][0][0]["moe"]["w_gate"].spec)
     print("RESULT " + json.dumps(result))

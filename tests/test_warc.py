@@ -16,10 +16,11 @@ from conftest import REPO, offline_env, rejected_rows, run_tokenmill
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenmill.corpora import warc
+from tokenmill.corpora.readers import input_format, read_file
+from tokenmill.corpora.records import DuplicateIdError, InputFields
+from tokenmill.corpora.warc import Undecodable, decode_html
 from tokenmill.filters.url_filter import UrlFilter
-from tokenmill.pipelines import warc
-from tokenmill.pipelines.readers import DuplicateIdError, InputFields, input_format, read_file
-from tokenmill.pipelines.warc import Undecodable, decode_html
 
 WARC_RECIPE = REPO / "configs" / "curate" / "warc.yaml"
 FIELDS = InputFields()

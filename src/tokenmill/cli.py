@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "tokenmill.domains.commands",
     "tokenmill.filters.commands",
     "tokenmill.tokenize.commands",
+    "tokenmill.pipelines.tokenize_command",
     "tokenmill.mixtures.commands",
     "tokenmill.trainer.commands",
     "tokenmill.reports.commands",

@@ -1,4 +1,4 @@
-"""Human token counts: `18.75T`, `926B`, `48e9`, `1_000_000` in; `18.75T` out."""
+"""Human token counts: `18.75T`, `926B`, `48e9`, `1_000_000` in; `18.75T` out. Byte sizes: `64MiB` in."""
 
 from __future__ import annotations
 
@@ -45,3 +45,23 @@ def format_count(value: float, digits: int = 3) -> str:
         if isinstance(value, float) and not float(value).is_integer()
         else str(int(value))
     )
+
+
+_BINARY_BYTES = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_byte_size(value: int | float | str) -> int:
+    """A size in bytes: `64MiB` (binary suffixes KiB, MiB, GiB, TiB), or a count as `parse_count`
+    parses it (`256M` = 256,000,000, `1_000_000`, `1e9`)."""
+    if isinstance(value, str):
+        text = value.strip().upper()
+        for suffix, scale in _BINARY_BYTES.items():
+            if text.endswith(suffix):
+                try:
+                    size = float(text[: -len(suffix)].strip().replace("_", "")) * scale
+                except ValueError:
+                    size = -1.0
+                if not math.isfinite(size) or size < 0 or size != int(size):
+                    raise ValueError(f"not a size in bytes: {value!r} (expected e.g. 64MiB, 1.5GiB or 256M)")
+                return int(size)
+    return parse_count(value)

@@ -51,9 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from tokenmill.corpora.records import InputFields
     from tokenmill.domains.model import DomainsError
     from tokenmill.domains.train import DomainSettings, iter_domain_lines, train_domains
-    from tokenmill.pipelines.readers import InputFields
 
     settings = DomainSettings(
         k=args.k,

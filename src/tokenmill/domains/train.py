@@ -37,6 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill import storage
+from tokenmill.corpora.paths import input_root
+from tokenmill.corpora.readers import input_format, read_file
+from tokenmill.corpora.records import InputFields
 from tokenmill.domains.clustering import coarsen, normalize_rows, spherical_kmeans
 from tokenmill.domains.model import (
     DomainsError,
@@ -61,7 +64,6 @@ from tokenmill.formats.domains import (
     domain_id,
     write_domains_card,
 )
-from tokenmill.pipelines.readers import InputFields, input_format, input_root, read_file
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ A line's key is `line_hash` of its normalized form (NFKC, case-folded, whitespac
 blank lines are never counted or removed. A line is boilerplate in a source when at least
 `min_documents` documents of that source, and at least `min_fraction` of them, contain it (counted once
 per document). Which lines those are needs every document of the source, so the counting is a
-combine over the corpus (tokenmill.pipelines.boilerplate, a grouping stage of the recipe); the removal
+combine over the corpus (tokenmill.pipelines.line_boilerplate, a grouping stage of the recipe); the removal
 is per document and lives here, Beam-free:
 
 - `BoilerplateLines`: a tokenmill DocumentStep-like editor: given a source's frequent line hashes, it

@@ -1,27 +1,39 @@
 """datatrove's heuristic filters (Gopher quality, Gopher repetition, C4, FineWeb quality), used as they are.
 
-Each filter runs as its own step, on a fresh datatrove `Document` per document: C4's filter rewrites the
-text it is given (it drops lines), and that rewrite must not leak into the next filter or into what is
-kept. Filters decide; they do not edit. The kept text is the normalized input text.
+Each filter runs as its own step over a batch; a document is judged through one `datatrove.data.Document`
+per step, its text and id set afresh for every document: C4's filter rewrites the text it is given (it
+drops lines), and that rewrite must not leak into the next filter or into what is kept. Filters decide;
+they do not edit. The kept text is the normalized input text.
 
-Word splitting dominates the cost of these filters. datatrove splits a text with a full spaCy pipeline
-(tokenizer plus sentencizer) inside a memory zone per call; a five-entry cache spares a second split only
-while one document passes through every filter before the next. Here every filter of a worker
-shares one `SharedWordTokenizer`: the first filter to see a batch splits every text in it once, with
-spaCy's tokenizer alone (same tokens: the sentencizer only marks sentence starts), and later filters hit
-the cache. datatrove accepts a `WordTokenizer` in place of a language code, so its filters stay
-unmodified and give identical results; the tests compare against datatrove called directly.
+Word splitting dominates the cost of these filters, and a document is split once, whatever the chain.
+datatrove splits a text with a full spaCy pipeline (tokenizer plus sentencizer) inside a memory zone per
+call, and C4 splits every kept line again to count its sentences. Here every filter of a worker shares
+one `SharedWordTokenizer`: the first filter to see a batch splits each text in it once, with spaCy's
+tokenizer alone, and keeps the tokens' offsets and punctuation flags; words are those tokens (the
+sentencizer only marks sentence starts), and the sentences of a line (C4's count) are found by the
+sentencizer's own rule over the document's tokens on that line (spaCy splits at whitespace, so a line's
+tokens are the same alone or in its document). datatrove accepts a `WordTokenizer` in place of a
+language code, so its filters stay unmodified and give identical results; the tests compare against
+datatrove called directly, and against spaCy's sentencizer line by line.
+
+Memory. spaCy interns every new token string for the life of the process, and only caches a chunk's
+tokenization outside a memory zone. A worker therefore splits outside a zone until its vocabulary has
+grown by `permanent_strings` (the first few thousand documents: the common words, which then hit spaCy's
+chunk cache), and every later batch inside one zone, whose strings are freed when the batch ends. Memory
+per worker: those strings (about 10 MB) plus one batch's tokens, whatever the corpus.
 
 Nothing downloads: these four filters need only spaCy's blank English pipeline, which ships with spaCy.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from bisect import bisect_left
+from contextlib import nullcontext
 from typing import Any
 
 from datatrove.data import Document
-from datatrove.utils.word_tokenizers import SpaCyTokenizer, WordTokenizer, load_word_tokenizer, strip_strings
+from datatrove.utils.word_tokenizers import SpaCyTokenizer, WordTokenizer, load_word_tokenizer
 
 from tokenmill.filters.base import DocumentStep, Removal
 
@@ -31,6 +43,9 @@ FILTER_CLASSES = {
     "c4": "datatrove.pipeline.filters.c4_filters.C4QualityFilter",
     "fineweb_quality": "datatrove.pipeline.filters.fineweb_quality_filter.FineWebQualityFilter",
 }
+#: New vocabulary strings a worker keeps for its life (split outside a memory zone until then): enough
+#: for the common words of a language, which then hit spaCy's chunk cache instead of its affix rules.
+PERMANENT_STRINGS = 30_000
 
 
 def datatrove_filter_class(kind: str) -> type:
@@ -42,67 +57,174 @@ def datatrove_filter_class(kind: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+class _Split:
+    """One text's spaCy tokens, kept for the batch: their texts, and spaCy's (IDX, IS_PUNCT) per token as
+    one array, turned into lists only for a document whose sentences are asked for."""
+
+    __slots__ = ("texts", "attributes", "starts", "punct", "lines")
+
+    def __init__(self, texts: list[str], attributes: Any):
+        self.texts = texts
+        self.attributes = attributes
+        self.starts: list[int] = []
+        self.punct: list[int] = []
+        self.lines: dict[str, list[tuple[int, int]]] | None = None  # stripped line -> sentence spans
+
+    def unpack(self) -> None:
+        if self.attributes is not None:
+            self.starts = self.attributes[:, 0].tolist()
+            self.punct = self.attributes[:, 1].tolist()
+            self.attributes = None
+
+
 class SharedWordTokenizer(WordTokenizer):
     """datatrove's spaCy word splitting, computed once per text and shared by every filter of a worker.
 
-    `prime(texts)` splits a whole batch up front; `word_tokenize` answers from the cache and falls back to
-    datatrove's own tokenizer for any text it has not seen. Sentence spans (C4's sentence count) are
-    delegated to datatrove's tokenizer and cached the same way.
+    `prime(texts)` splits a whole batch up front; `word_tokenize` answers from it, and `span_tokenize`
+    answers for the text itself or any stripped line of the text last named by `focus()` (what C4 asks
+    for). Anything else falls back to datatrove's own tokenizer. `splits` counts the spaCy splits made
+    and `split_seconds` their CPU time (the benches report them).
     """
 
-    def __init__(self, language: str = "en", cache_size: int = 64):
+    def __init__(
+        self, language: str = "en", cache_size: int = 64, permanent_strings: int = PERMANENT_STRINGS
+    ):
         super().__init__(language)
         self.cache_size = cache_size  # for texts met outside prime(); a primed batch is always held whole
+        self.permanent_strings = permanent_strings
         self._reference = load_word_tokenizer(language)
         if not isinstance(self._reference, SpaCyTokenizer):
             raise ValueError(
                 f"shared word splitting supports spaCy languages; {language!r} uses "
                 f"{type(self._reference).__name__}"
             )
-        self._words: OrderedDict[str, list[str]] = OrderedDict()
-        self._spans: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
+        self._nlp = self._reference.tokenizer  # datatrove's blank spaCy pipeline with its sentencizer
+        self._punct_chars = self._nlp.get_pipe("sentencizer").punct_chars
+        from spacy.attrs import IDX, IS_PUNCT  # spaCy loads with the tokenizer, not with the recipe
 
-    def _remember(self, cache: OrderedDict, text: str, value: Any) -> None:
+        self._attributes = [IDX, IS_PUNCT]
+        self._strings_at_start = len(self._nlp.vocab.strings)
+        self._words: dict[str, list[str]] = {}
+        self._splits: dict[str, _Split] = {}
+        self._other_words: dict[str, list[str]] = {}
+        self._other_spans: dict[str, list[tuple[int, int]]] = {}
+        self._focus: _Split | None = None
+        self._focus_text: str | None = None
+        self.splits = 0
+        self.split_seconds = 0.0
+
+    def _remember(self, cache: dict, text: str, value: Any) -> None:
         cache[text] = value
         if len(cache) > self.cache_size:
-            cache.popitem(last=False)
+            del cache[next(iter(cache))]
+
+    def permanent(self) -> bool:
+        """Whether the next batch is split outside a memory zone (its new strings kept for good)."""
+        return len(self._nlp.vocab.strings) - self._strings_at_start < self.permanent_strings
 
     def prime(self, texts: list[str]) -> None:
-        """Split a batch up front. The cache then holds exactly this batch, so memory stays one batch."""
+        """Split a batch up front. Only this batch is held, so memory stays one batch."""
         missing = [text for text in dict.fromkeys(texts) if text not in self._words]
         if not missing:
             return
-        kept = {text: self._words[text] for text in texts if text in self._words}
-        self._words = OrderedDict(kept)
-        self._spans.clear()
-        nlp = self._reference.tokenizer  # datatrove's blank spaCy pipeline
-        # spaCy interns every new token string in the vocabulary for the life of the process; on web text
-        # (every URL, number and typo a new string) that grows a worker's memory with the corpus. Inside a
-        # memory zone the strings of this batch are released when it ends; the words are copied out first.
-        with nlp.memory_zone():
-            try:
-                docs = list(nlp.tokenizer.pipe(missing))
-            except Exception:
-                return  # let word_tokenize fall back to datatrove, which knows spaCy's quirks
-            for text, doc in zip(missing, docs):
-                self._words[text] = strip_strings([token.text for token in doc])
+        # Keep only what this batch shares with the last one: the cache holds one batch.
+        self._words = {text: self._words[text] for text in texts if text in self._words}
+        self._splits = {text: self._splits[text] for text in self._words if text in self._splits}
+        self._focus = self._focus_text = None
+        started = time.process_time()
+        tokenizer = self._nlp.tokenizer
+        # Inside a memory zone spaCy frees the batch's new strings when it ends; everything needed later
+        # is copied out (Python strings and ints) before it does.
+        with nullcontext() if self.permanent() else self._nlp.memory_zone():
+            for text in missing:
+                try:
+                    doc = tokenizer(text)
+                except Exception:
+                    continue  # word_tokenize falls back to datatrove, which knows spaCy's quirks
+                tokens = [token.text for token in doc]
+                # datatrove's strip_strings, with one strip per token
+                self._words[text] = [word for token in tokens if (word := token.strip())]
+                self._splits[text] = _Split(tokens, doc.to_array(self._attributes))
+        self.splits += len(missing)
+        self.split_seconds += time.process_time() - started
+
+    def focus(self, text: str) -> None:
+        """Name the document the next span_tokenize calls are about (its lines are answered from it)."""
+        self._focus_text = text
+        self._focus = self._splits.get(text)
 
     def word_tokenize(self, text: str) -> list[str]:
         words = self._words.get(text)
         if words is None:
+            words = self._other_words.get(text)
+        if words is None:
+            started = time.process_time()
             words = self._reference.word_tokenize(text)
-            self._remember(self._words, text, words)
+            self.splits += 1
+            self.split_seconds += time.process_time() - started
+            self._remember(self._other_words, text, words)
         return words
 
     def sent_tokenize(self, text: str) -> list[str]:
         return self._reference.sent_tokenize(text)
 
     def span_tokenize(self, text: str) -> list[tuple[int, int]]:
-        spans = self._spans.get(text)
-        if spans is None:
+        split = self._splits.get(text)
+        if split is not None:
+            split.unpack()
+            return self._sentences(split, 0, len(split.starts), 0)
+        focus = self._focus
+        if focus is not None:
+            if focus.lines is None:
+                focus.unpack()
+                focus.lines = self._line_sentences(self._focus_text, focus)
+            spans = focus.lines.get(text)
+            if spans is not None:
+                return spans
+        spans = self._other_spans.get(text)
+        if spans is None:  # a line C4 edited (citations cut), or a text never primed
+            started = time.process_time()
             spans = self._reference.span_tokenize(text)
-            self._remember(self._spans, text, spans)
+            self.splits += 1
+            self.split_seconds += time.process_time() - started
+            self._remember(self._other_spans, text, spans)
         return spans
+
+    def _sentences(self, split: _Split, first: int, end: int, base: int) -> list[tuple[int, int]]:
+        """Sentence spans of tokens [first, end) as spaCy's Sentencizer marks them on a Doc of just those
+        tokens (its `predict`, step for step), offsets relative to `base`."""
+        if first >= end:
+            return []
+        texts, starts, punct, punct_chars = split.texts, split.starts, split.punct, self._punct_chars
+        spans = []
+        start = first
+        seen_period = False
+        for index in range(first, end):
+            in_punct_chars = texts[index] in punct_chars
+            if seen_period and not punct[index] and not in_punct_chars:
+                last = index - 1
+                spans.append((starts[start] - base, starts[last] + len(texts[last]) - base))
+                start = index
+                seen_period = False
+            elif in_punct_chars:
+                seen_period = True
+        spans.append((starts[start] - base, starts[end - 1] + len(texts[end - 1]) - base))
+        return spans
+
+    def _line_sentences(self, text: str, split: _Split) -> dict[str, list[tuple[int, int]]]:
+        """Sentence spans of every stripped line of `text` (C4: `text.splitlines()`, each `.strip()`), from
+        the document's tokens on that line: spaCy splits at whitespace first, so they are the line's own."""
+        lines: dict[str, list[tuple[int, int]]] = {}
+        offset = 0
+        for raw in text.splitlines(keepends=True):
+            line = raw.strip()
+            if line and line not in lines:
+                begin = offset + len(raw) - len(raw.lstrip())
+                first = bisect_left(split.starts, begin)
+                end = bisect_left(split.starts, begin + len(line), first)
+                lines[line] = self._sentences(split, first, end, begin)
+            offset += len(raw)
+        return lines
 
 
 _SHARED: dict[str, SharedWordTokenizer] = {}
@@ -137,15 +259,27 @@ class HeuristicFilter(DocumentStep):
             language = self._words
         self._filter = datatrove_filter_class(self.kind)(language=language, **self.params)
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_filter": None, "_words": None}  # a copy sets up in its own process
+
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         if self._filter is None:
             self.setup()
-        if self._words is not None:
-            self._words.prime([document["text"] for document in documents])
+        words = self._words
+        if words is not None:
+            words.prime([document["text"] for document in documents])
+        judge = self._filter.filter
+        # One Document for the batch, its fields set afresh per document (C4 rewrites the text it holds).
+        judged = Document(text="", id="")
         results: list[Removal | None] = []
         for document in documents:
-            fresh = Document(text=document["text"], id=document["id"], metadata={})
-            verdict = self._filter.filter(fresh)
+            text = document["text"]
+            judged.text = text
+            judged.id = document["id"]
+            judged.metadata = {}
+            if words is not None:
+                words.focus(text)
+            verdict = judge(judged)
             keep, reason = verdict if isinstance(verdict, tuple) else (verdict, None)
             results.append(None if keep else Removal(reason or self.kind, {"filter": self.kind}))
         return results

@@ -6,9 +6,18 @@ recipe; nothing here fetches it from the internet). Either model is loaded once 
 `SharedModel`), and a remote one is downloaded once per machine. Only the first `max_chars` characters are
 classified: the language of a page is settled long before its end, and the cost then stays flat per
 document.
+
+py3langid's scores are taken in float64 without BLAS (`DeterministicIdentifier`): its own float32 product
+goes through OpenBLAS, whose kernel (chosen at run time for the CPU: Haswell, SkylakeX, ...) sums in
+another order, so the same text got scores that differ in the last digits from one machine to another
+(tests/test_sample_outputs.py checks that they no longer do).
 """
 
 from __future__ import annotations
+
+import math
+
+import numpy as np
 
 from tokenmill import storage
 from tokenmill.filters.base import DocumentStep, Removal
@@ -19,10 +28,41 @@ PY3LANGID_MODEL = "py3langid"  # the model inside the py3langid wheel
 
 
 def load_py3langid(_: str):
-    """py3langid's bundled model, with probabilities normalized to [0, 1]."""
-    from py3langid.langid import MODEL_FILE, LanguageIdentifier
+    """py3langid's bundled model, with probabilities normalized to [0, 1], scored the same on every CPU."""
+    from py3langid.langid import MODEL_FILE
 
-    return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+    return _deterministic_identifier().from_model_file(MODEL_FILE, norm_probs=True)
+
+
+def _deterministic_identifier():
+    """py3langid's LanguageIdentifier with its one BLAS call replaced by arithmetic of a fixed order."""
+    from py3langid.langid import LanguageIdentifier
+
+    if not callable(getattr(LanguageIdentifier, "_sparse_score", None)):
+        raise RuntimeError(
+            "py3langid's LanguageIdentifier has no _sparse_score to override (another py3langid version?): "
+            "tokenmill.filters.language needs one that scores through it, as py3langid 0.4 does"
+        )
+
+    class DeterministicIdentifier(LanguageIdentifier):
+        """Naive Bayes scores in float64 without BLAS: the same bits on every CPU.
+
+        py3langid takes `log1p(counts) @ table[features]` in float32 through OpenBLAS, whose kernel (and so
+        its order of summation) depends on the CPU. Here each feature's row is scaled and the rows are
+        added one after another (IEEE products and sums, in an order that no SIMD width changes), and
+        log1p is libm's. The softmax that follows then runs in float64, where numpy's SIMD exp differs
+        from libm's by an ulp at most: far below the float32 that curated/ stores and the 4 decimals of a
+        removal's detail. Cost: one float64 copy of the document's feature rows (features x languages).
+        """
+
+        def _sparse_score(self, visits, table):
+            features = np.fromiter(visits.keys(), dtype=np.intp, count=len(visits))
+            weights = np.array([math.log1p(count) for count in visits.values()], dtype=np.float64)
+            rows = table[features].astype(np.float64)
+            rows *= weights[:, None]
+            return rows.sum(axis=0) + self.nb_pc
+
+    return DeterministicIdentifier
 
 
 class LanguageFilter(DocumentStep):

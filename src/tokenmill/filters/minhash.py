@@ -31,6 +31,12 @@ with i; two documents are candidates when any band key is equal (the same bandin
 MinHashLSH). The probability that a pair with Jaccard similarity s collides in some band is
 1 - (1 - s^rows)^bands; with the defaults (14 bands x 8 rows, as datatrove and FineWeb use) it is 50% at
 s = 0.68 (the rule of thumb (1/bands)^(1/rows) says 0.72), 77% at 0.75, 92% at 0.8 and 99.96% at 0.9.
+
+Candidate pairs -> verdicts: the fraction of equal rows of two signatures estimates their Jaccard
+similarity (unbiased, standard deviation sqrt(J(1-J)/num_perm): 0.04 at J = 0.8 with 112 rows).
+Verification compares compact signatures (the top 16 bits of each row, `compact_signatures`), corrects
+for their chance agreements (`estimated_jaccard_from_agreement`), and estimates containment from that
+and the two documents' numbers of distinct shingles (`distinct_counts`, `containment_from_jaccard`).
 """
 
 from __future__ import annotations
@@ -294,6 +300,49 @@ def containment(part: np.ndarray, whole: np.ndarray) -> float:
     if len(part) == 0:
         return 1.0
     return len(np.intersect1d(part, whole, assume_unique=True)) / len(part)
+
+
+#: Bits of each signature row that verification compares (b-bit minwise hashing, Li and König 2010): the
+#: top 16 of the 32. Two rows whose minima differ agree on them with chance 2^-16, which
+#: `estimated_jaccard_from_agreement` corrects for.
+COMPACT_BITS = 16
+
+
+def compact_signatures(signatures: np.ndarray) -> np.ndarray:
+    """The top `COMPACT_BITS` bits of each signature row, as uint16: half the bytes to carry, and the same
+    estimate of Jaccard similarity but for a 2^-16 chance per row of a false agreement."""
+    return (np.asarray(signatures, np.uint32) >> np.uint32(32 - COMPACT_BITS)).astype(np.uint16)
+
+
+def estimated_jaccard_from_agreement(equal_rows: np.ndarray | int, num_perm: int) -> np.ndarray:
+    """The Jaccard estimate from the number of equal rows of two compact signatures: the fraction of
+    equal rows, less the chance 2^-COMPACT_BITS that two different minima agree on their top bits."""
+    chance = 2.0**-COMPACT_BITS
+    agreement = np.asarray(equal_rows, np.float64) / num_perm
+    return np.clip((agreement - chance) / (1.0 - chance), 0.0, 1.0)
+
+
+def containment_from_jaccard(
+    similarity: np.ndarray, part_size: np.ndarray, whole_size: np.ndarray
+) -> np.ndarray:
+    """|A & B| / |A| from the Jaccard similarity J and the two set sizes: |A & B| = J (|A| + |B|) / (1 + J).
+    With an estimated J this is the containment estimate (capped at 1)."""
+    similarity = np.asarray(similarity, np.float64)
+    part = np.maximum(np.asarray(part_size, np.float64), 1.0)
+    common = similarity * (part + np.asarray(whole_size, np.float64)) / (1.0 + similarity)
+    return np.minimum(common / part, 1.0)
+
+
+def distinct_counts(shingles: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The number of distinct shingle hashes of each document of a batch (`shingle_batch`'s output): the
+    set sizes that containment is estimated with. One sort of the batch, no Python per document."""
+    documents = len(offsets) - 1
+    owner = np.repeat(np.arange(documents), np.diff(offsets))
+    order = np.lexsort((shingles, owner))
+    sorted_shingles, sorted_owner = shingles[order], owner[order]
+    first = np.ones(len(order), bool)
+    first[1:] = (sorted_shingles[1:] != sorted_shingles[:-1]) | (sorted_owner[1:] != sorted_owner[:-1])
+    return np.bincount(sorted_owner[first], minlength=documents)
 
 
 def collision_probability(similarity: float, bands: int, rows: int) -> float:

@@ -26,8 +26,24 @@ DOCUMENT_SCHEMA = pa.schema(
         ("n_chars", pa.int64()),
         ("n_words", pa.int64()),
         ("dup_cluster", pa.string()),
+        # Documents this one stands for: itself, its exact copies and near duplicates, transitively
+        # (tokenmill.pipelines.dedupe_clusters); 1 without duplicates, null in removed/.
+        ("dup_cluster_size", pa.int64()),
     ]
 )
+#: The column of DOCUMENT_SCHEMA that says how many documents a kept document stands for.
+CLUSTER_SIZE = "dup_cluster_size"
+
+
+def cluster_size_bin(size: int) -> str:
+    """The histogram bin of a duplicate-cluster size: "1" .. "4", then powers of two ("5-8", "9-16", ...):
+    the bins of fuzzy dedupe's `component_sizes`."""
+    if size <= 4:
+        return str(size)
+    upper = 1 << (size - 1).bit_length()
+    return f"{upper // 2 + 1}-{upper}"
+
+
 #: removed/ rows: the document columns plus `detail`, JSON saying why in numbers.
 REMOVED_SCHEMA = DOCUMENT_SCHEMA.append(pa.field("detail", pa.string()))
 

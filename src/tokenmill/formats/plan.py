@@ -80,6 +80,22 @@ class PlanSlice(FormatModel):
     of_total_tokens: Count
 
 
+class EvalSetPlan(FormatModel):
+    """One evaluation set of the run (zero training weight): a group of cells' held-out slices, or an
+    external set. `manifests` are the sets' manifest.json files relative to the tokens folder (one per cell
+    of a held-out set, `eval/<name>/manifest.json` for an external one); the counts are null when the plan
+    was made without them."""
+
+    name: str  # heldout/domain=<d>, heldout/<cell>, heldout, or the external set's name
+    kind: Literal["heldout", "external"]
+    cells: list[str]
+    selectors: list[str]
+    manifests: list[str]
+    tokens: Count | None
+    documents: Count | None
+    bytes: Count | None
+
+
 def _some_phases(phases: list[PhasePlan]) -> list[PhasePlan]:
     if not phases:
         raise ValueError("empty (a plan has at least one phase)")
@@ -112,6 +128,7 @@ class MixturePlan(FormatModel):
     cells: dict[str, CellTotal] = {}
     warnings: list[str] = []
     provenance: dict[str, str] | None = None
+    evaluation: list[EvalSetPlan] | None = None  # absent when the spec names no evaluation sets
 
     def phase(self, name: str) -> PhasePlan:
         return next(phase for phase in self.phases if phase.name == name)

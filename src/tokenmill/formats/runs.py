@@ -47,7 +47,7 @@ class MetricsRow(FormatModel):
     expert_imbalance: list[float] | None = None
     drop_fraction: float | None = None
     time: float | None = None  # seconds since the start
-    # Telemetry (tokenmill.trainer.telemetry); each key only where the hardware reports it.
+    # Telemetry (tokenmill.trainer.run.telemetry); each key only where the hardware reports it.
     timestamp: float | None = None  # Unix time of the row
     device_kind: str | None = None
     devices: Count | None = None
@@ -119,13 +119,13 @@ class HistoryEntry(FormatModel):
     plan: dict[str, Any] | None = None
 
 
-# The keys config.json adds after the settings (tokenmill.trainer.run_config skips them on reading back).
-RECORD_KEYS = ("params", "flops_per_token", "processes", "plan", "phases", "history")
+# The keys config.json adds after the settings (tokenmill.trainer.run.config skips them on reading back).
+RECORD_KEYS = ("params", "flops_per_token", "processes", "plan", "phases", "history", "evaluation_latest")
 
 
 class RunRecord(FormatModel):
     """config.json as other stages read it: the run's settings (the sections of
-    `tokenmill.trainer.run_config.RunConfig`, resolved) followed by what the trainer records about the
+    `tokenmill.trainer.run.config.RunConfig`, resolved) followed by what the trainer records about the
     run. Only the records are typed here; the settings are the trainer's to check, and every key of the
     document stays available (`to_json`). A synthetic run has no plan; runs of older trainers lack some
     records, so each is optional."""
@@ -139,6 +139,9 @@ class RunRecord(FormatModel):
     plan: dict[str, Any] | None = None  # the mixture plan the run trained on (docs/formats.md)
     phases: dict[str, Any] | None = None  # each phase's settings, by phase name
     history: list[HistoryEntry] | None = None  # every configuration the run has used, oldest first
+    # The latest evaluation point's averages (docs/formats.md, "Evaluation"): step, tokens_trained, and per
+    # dispatch {average: {loss, bits_per_byte}}.
+    evaluation_latest: dict[str, Any] | None = None
 
 
 def history_entry(
@@ -202,7 +205,10 @@ def extend_history(previous: RunRecord | None, entry: Mapping[str, Any]) -> list
 def _same_configuration(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     def essence(item: Mapping[str, Any]) -> dict[str, Any]:
         kept = {key: value for key, value in item.items() if key not in _CIRCUMSTANCES}
-        kept["settings"] = {k: v for k, v in (item.get("settings") or {}).items() if k != "logging"}
+        # What is logged and evaluated does not change what is trained.
+        kept["settings"] = {
+            k: v for k, v in (item.get("settings") or {}).items() if k not in ("logging", "evaluation")
+        }
         return kept
 
     return essence(a) == essence(b)

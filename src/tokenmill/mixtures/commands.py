@@ -139,13 +139,18 @@ def _counts(mixture: Mixture, path: str | None) -> tuple[TokenCounts | None, str
         raise _usage(error) from None
 
 
+def _tokens_dir(counts_file: str | None) -> str | None:
+    """The tokens folder of a counts.json: where external evaluation sets are (eval/<name>/)."""
+    return os.path.dirname(os.path.abspath(counts_file)) if counts_file else None
+
+
 def _plan(mixture: Mixture, counts_arg: str | None) -> tuple[MixturePlan, str | None]:
     from tokenmill.mixtures.errors import MixtureError, NeedsCounts
     from tokenmill.mixtures.plan import plan_mixture
 
     counts, counts_file = _counts(mixture, counts_arg)
     try:
-        return plan_mixture(mixture, counts), counts_file
+        return plan_mixture(mixture, counts, _tokens_dir(counts_file)), counts_file
     except NeedsCounts as error:
         if mixture.counts_path:
             raise UsageError(
@@ -166,14 +171,18 @@ def run_check(args: argparse.Namespace) -> int:
         counts, counts_file = _counts(mixture, args.counts)
         kind = f"{len(mixture.phases)} phases, {len(mixture.sources)} sources"
         try:
-            plan = plan_mixture(mixture, counts)
+            plan = plan_mixture(mixture, counts, _tokens_dir(counts_file))
         except NeedsCounts:
             print(f"{file}: ok ({mixture.name}: {kind}; not planned: it needs token counts, give --counts)")
             continue
         except MixtureError as error:
             raise _usage(error) from None
         against = counts_file or "declared counts"
-        print(f"{file}: ok ({mixture.name}: {kind}, {plan.total_steps:,} steps, planned against {against})")
+        evaluated = f", {len(plan.evaluation)} evaluation sets" if plan.evaluation is not None else ""
+        print(
+            f"{file}: ok ({mixture.name}: {kind}, {plan.total_steps:,} steps{evaluated}, planned against "
+            f"{against})"
+        )
         for warning in plan.warnings:
             print(f"{file}: warning: {warning}", file=sys.stderr)
     return 0
@@ -306,6 +315,25 @@ def render_plan(plan: MixturePlan, counts_file: str | None = None) -> str:
     ]
     header = ["source", "tokens", "available", "epochs", "max_epochs", *(["cells"] if counted else [])]
     lines.extend(_table(header, rows))
+    if plan.evaluation is not None:
+        lines.append("")
+        lines.append("evaluation sets (zero training weight)")
+
+        def counted_or_not(value: int | None) -> str:
+            return "-" if value is None else _fc(value)
+
+        rows = [
+            [
+                item.name,
+                item.kind,
+                str(len(item.cells)) if item.kind == "heldout" else "-",
+                "-" if item.documents is None else f"{item.documents:,}",
+                counted_or_not(item.tokens),
+                counted_or_not(item.bytes),
+            ]
+            for item in plan.evaluation
+        ]
+        lines.extend(_table(["set", "kind", "cells", "documents", "tokens", "bytes"], rows))
     return "\n".join(lines)
 
 

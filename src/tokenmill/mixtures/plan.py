@@ -23,6 +23,9 @@ How the numbers are made (docs/mixtures.md says the same for users):
 * A source's tokens available are the sum over the cells it selects in tokens/counts.json, or its
   declared count when planning without counts. In a slice (simulated epoching) they are scaled by the
   slice's share of the full run, so the small run repeats each source as often as the big one.
+* Evaluation sets (the spec's `evaluation`) have zero training weight: held-out slices of the cells that
+  its selectors match, grouped per domain, per cell or all in one, counted from counts.json's `heldout_*`
+  fields, and external sets counted from their manifests in `<tokens>/eval/<name>/`.
 * max_epochs caps a source's tokens over the whole run. Going over is an error that gives the numbers,
   unless the spec sets `shortfall: redistribute`: then, phase by phase, a source gets at most what its
   remaining allowance pays for, and the rest of the block goes to the phase's other sources by weight
@@ -41,10 +44,17 @@ from typing import Any
 from tokenmill.cells import parse_cell
 from tokenmill.errors import FormatError
 from tokenmill.formats import plan as plan_format
-from tokenmill.formats.plan import MixturePlan, PhasePlan, SourcePlan, SourceTotal
-from tokenmill.formats.tokens import TokenCounts, counts_from_json, read_counts
+from tokenmill.formats.plan import EvalSetPlan, MixturePlan, PhasePlan, SourcePlan, SourceTotal
+from tokenmill.formats.tokens import (
+    TokenCounts,
+    counts_from_json,
+    eval_manifest_path,
+    heldout_manifest_path,
+    read_counts,
+    read_eval_manifest,
+)
 from tokenmill.mixtures.errors import Issue, MixtureError, NeedsCounts, format_path
-from tokenmill.mixtures.spec import Mixture, MixturePhase, Source
+from tokenmill.mixtures.spec import Evaluation, Mixture, MixturePhase, Source
 from tokenmill.units import format_count
 
 # A realized weight this far (relative) from the asked one means the block is too small for the weight.
@@ -148,9 +158,15 @@ class _Resolved:
     empty_reason: str = ""
 
 
-def plan_mixture(mixture: Mixture, counts: TokenCounts | Mapping[str, Any] | None = None) -> MixturePlan:
+def plan_mixture(
+    mixture: Mixture,
+    counts: TokenCounts | Mapping[str, Any] | None = None,
+    tokens_dir: str | None = None,
+) -> MixturePlan:
     """Plan a mixture against tokens/counts.json (`tokenmill.formats.tokens.read_counts`, or the same as a
-    dict) or, with None, against the spec's declared counts.
+    dict) or, with None, against the spec's declared counts. `tokens_dir` (the folder of counts.json) is
+    where external evaluation sets are counted from (`eval/<name>/manifest.json`); without it they are
+    listed uncounted.
 
     Raises MixtureError, pointing at the spec's lines, when the plan cannot be made: a phase too small
     for one block, a source with no tokens, a source over its max_epochs (with the numbers); and for a
@@ -286,6 +302,10 @@ def plan_mixture(mixture: Mixture, counts: TokenCounts | Mapping[str, Any] | Non
             warnings.extend(_overlaps(phase, resolved))
     if mixture.shortfall == "error":
         issues.extend(_over_cap(mixture, resolved, used, phase_plans))
+    evaluation = None
+    if mixture.evaluation is not None:
+        evaluation, evaluation_issues = _evaluation_sets(mixture.evaluation, counts, tokens_dir, warnings)
+        issues.extend(evaluation_issues)
     if issues:
         raise MixtureError(issues)
 
@@ -336,6 +356,8 @@ def plan_mixture(mixture: Mixture, counts: TokenCounts | Mapping[str, Any] | Non
         sources=totals,
         cells=_cell_totals(catalog, resolved, used, mixture, warnings) if catalog is not None else {},
         warnings=warnings,
+        # Only when the spec names evaluation sets, so that older plans keep their bytes (and plan_sha256).
+        **({"evaluation": evaluation} if evaluation is not None else {}),
     )
 
 
@@ -519,3 +541,142 @@ def _cell_totals(
             f"cells drawn by several sources repeat more than their max_epochs: {'; '.join(over[:3])}{more}"
         )
     return result
+
+
+def _heldout_group(cell: str, group_by: str) -> str:
+    if group_by == "cell":
+        return f"heldout/{cell}"
+    if group_by == "domain":
+        return f"heldout/domain={parse_cell(cell)[0]}"
+    return "heldout"
+
+
+def _evaluation_sets(
+    evaluation: Evaluation, counts: TokenCounts | None, tokens_dir: str | None, warnings: list[str]
+) -> tuple[list[EvalSetPlan], list[Issue]]:
+    """The run's evaluation sets, counted where counts are known; issues for what cannot be evaluated."""
+    issues: list[Issue] = []
+    sets: list[EvalSetPlan] = []
+    texts = [selector.text for selector in evaluation.heldout]
+    where = evaluation.where
+    if evaluation.heldout and counts is None:
+        sets.append(
+            EvalSetPlan(
+                name="heldout",
+                kind="heldout",
+                cells=sorted({cell for s in evaluation.heldout if (cell := s.cell)}),
+                selectors=texts,
+                manifests=[],
+                tokens=None,
+                documents=None,
+                bytes=None,
+            )
+        )
+    elif evaluation.heldout and counts is not None:
+        rule = counts.heldout
+        matched = sorted(
+            {cell for s in evaluation.heldout for cell in s.select(counts.cells) if _is_cell(cell)}
+        )
+        if rule is None or not rule.active:
+            issues.append(
+                where.issue(
+                    "held-out slices asked for, but counts.json was made without them (tokenize with "
+                    "--heldout-fraction 0, or before held-out slices existed): tokenize again"
+                )
+            )
+        elif not matched:
+            issues.append(where.issue(f"heldout: {', '.join(texts)} matches no cell in counts.json"))
+        else:
+            groups: dict[str, list[str]] = {}
+            for cell in matched:
+                groups.setdefault(_heldout_group(cell, evaluation.group_by), []).append(cell)
+            empty = []
+            for name, cells in groups.items():
+                entries = [counts.cells[cell] for cell in cells]
+                documents = sum(entry.heldout_documents or 0 for entry in entries)
+                if documents == 0:
+                    empty.append(name)
+                    continue
+                sets.append(
+                    EvalSetPlan(
+                        name=name,
+                        kind="heldout",
+                        cells=cells,
+                        selectors=texts,
+                        manifests=[
+                            counts.cells[cell].heldout_manifest or heldout_manifest_path(cell)
+                            for cell in cells
+                        ],
+                        tokens=sum(entry.heldout_tokens or 0 for entry in entries),
+                        documents=documents,
+                        bytes=sum(entry.heldout_bytes or 0 for entry in entries),
+                    )
+                )
+            if empty:
+                more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
+                warnings.append(
+                    f"evaluation: {', '.join(empty[:5])}{more} hold no held-out documents (cells too small "
+                    "for the held-out rule) and are left out"
+                )
+    for index, name in enumerate(evaluation.sets):
+        relative = eval_manifest_path(name)
+        if tokens_dir is None:
+            sets.append(
+                EvalSetPlan(
+                    name=name,
+                    kind="external",
+                    cells=[],
+                    selectors=[],
+                    manifests=[relative],
+                    tokens=None,
+                    documents=None,
+                    bytes=None,
+                )
+            )
+            continue
+        path = os.path.join(tokens_dir, relative)
+        set_where = f"evaluation.sets[{index}]"
+        try:
+            manifest = read_eval_manifest(path)
+        except FileNotFoundError:
+            issues.append(
+                where.issue(
+                    f"{set_where}: evaluation set {name}: no {path} (make it with `tokenmill tokenize-eval "
+                    f"--name {name} --input ... --tokenizer ... --output {tokens_dir}`)"
+                )
+            )
+            continue
+        except (OSError, FormatError) as error:
+            issues.append(where.issue(f"{set_where}: evaluation set {name}: {error}"))
+            continue
+        expected = counts.tokenizer.sha256 if counts is not None and counts.tokenizer else None
+        if expected and manifest.tokenizer.sha256 != expected:
+            issues.append(
+                where.issue(
+                    f"{set_where}: evaluation set {name} was made with tokenizer sha256 "
+                    f"{manifest.tokenizer.sha256} ({manifest.tokenizer.name}), but counts.json with "
+                    f"{expected}"
+                )
+            )
+            continue
+        sets.append(
+            EvalSetPlan(
+                name=name,
+                kind="external",
+                cells=[],
+                selectors=[],
+                manifests=[relative],
+                tokens=manifest.tokens,
+                documents=manifest.documents,
+                bytes=manifest.bytes,
+            )
+        )
+    return sets, issues
+
+
+def _is_cell(name: str) -> bool:
+    try:
+        parse_cell(name)
+    except ValueError:
+        return False
+    return True

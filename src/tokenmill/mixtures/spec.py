@@ -131,6 +131,25 @@ class PhaseSpec(BaseModel):
     )
 
 
+class EvaluationSpec(BaseModel):
+    """What the run evaluates on, with zero training weight: held-out slices of cells (chosen by the same
+    selectors as sources) and external sets made by `tokenmill tokenize-eval`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    heldout: Annotated[list[str], BeforeValidator(_one_or_many)] = Field(
+        default_factory=list,
+        description="cells whose held-out slices are evaluated: cells or patterns (domain=*/* is every cell)",
+    )
+    group_by: Literal["domain", "cell", "all"] = Field(
+        "domain",
+        description="one evaluation set per domain of the matched cells (default), per cell, or one in all",
+    )
+    sets: Annotated[list[Name], BeforeValidator(_one_or_many)] = Field(
+        default_factory=list, description="external evaluation sets by name (tokens/eval/<name>/)"
+    )
+
+
 class ProvenanceSpec(BaseModel):
     """Where a mixture comes from when it reproduces a published one: repository, path and commit."""
 
@@ -191,6 +210,9 @@ class MixtureSpec(BaseModel):
     )
     sources: dict[str, SourceSpec] | None = Field(None, description="named sources")
     phases: list[PhaseSpec] | None = Field(None, min_length=1, description="ordered phases")
+    evaluation: EvaluationSpec | None = Field(
+        None, description="evaluation sets (zero training weight): held-out slices and external sets"
+    )
 
     @field_validator("sources", mode="before")
     @classmethod
@@ -269,6 +291,17 @@ class SliceInfo:
 
 
 @dataclass
+class Evaluation:
+    """The spec's evaluation sets: held-out slices of the cells `heldout` selects, grouped `group_by`, and
+    external sets by name."""
+
+    heldout: tuple[Selector, ...]
+    group_by: str
+    sets: tuple[str, ...]
+    where: Where
+
+
+@dataclass
 class Mixture:
     """A validated mixture, ready to plan (`plan_mixture`)."""
 
@@ -291,6 +324,7 @@ class Mixture:
     spec: MixtureSpec | None = None
     total_steps: int | None = None  # the run's length when given in steps (the budget is total_tokens)
     provenance: dict[str, str] | None = None
+    evaluation: Evaluation | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -300,6 +334,7 @@ _FIELDS = {
     "top": set(MixtureSpec.model_fields),
     "sources": set(SourceSpec.model_fields),
     "phases": set(PhaseSpec.model_fields),
+    "evaluation": set(EvaluationSpec.model_fields),
 }
 
 
@@ -444,6 +479,10 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
             )  # kept below all the same, so that its weights do not also read as unknown sources
         selectors = []
         for i, text in enumerate(source_spec.cells):
+            evaluated = evaluation_path(text)
+            if evaluated:
+                issues.append(lines.issue((*path, "cells", i), _trained_evaluation(evaluated, name)))
+                continue
             try:
                 selectors.append(parse_selector(text))
             except ValueError as error:
@@ -497,6 +536,11 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
                 broken = True
                 continue
             if key not in sources:
+                evaluated = evaluation_path(key)
+                if evaluated:
+                    issues.append(lines.issue(key_path, _trained_evaluation(evaluated, key)))
+                    broken = True
+                    continue
                 if not looks_like_selector(key):
                     issues.append(lines.issue(key_path, "unknown source" + _suggest(key, sources)))
                     broken = True
@@ -533,6 +577,8 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
         phases.append(MixturePhase(phase_spec.name, budget, weights, where(path), weight_where))
 
     issues.extend(_check_budgets(spec, phases, lines, total_tokens))
+    evaluation, evaluation_issues = _resolve_evaluation(spec.evaluation, sources, phases, lines, file)
+    issues.extend(evaluation_issues)
     if issues:
         raise MixtureError(sorted(issues, key=lambda issue: issue.line or 0))
     return Mixture(
@@ -554,7 +600,75 @@ def _resolve_full(spec: MixtureSpec, lines: Lines, file: str | None) -> Mixture:
         illustrative=bool(spec.illustrative),
         counts_path=_relative(file, spec.counts) if spec.counts else None,
         spec=spec,
+        evaluation=evaluation,
     )
+
+
+def evaluation_path(text: str) -> str | None:
+    """What evaluation data a source's cell or weight key points at (`.../heldout`, `eval/<name>`), or None.
+
+    Held-out slices and external sets sit beside the training shards; naming one as a source would train
+    on what the run evaluates on.
+    """
+    parts = [part.strip() for part in text.strip().strip("/").split("/") if part.strip()]
+    if "heldout" in parts:
+        return "a held-out slice (" + "/".join(parts[: parts.index("heldout") + 1]) + ")"
+    if "eval" in parts[:-1]:
+        return f"evaluation set {parts[parts.index('eval') + 1]}"
+    return None
+
+
+def _trained_evaluation(what: str, source: str) -> str:
+    return (
+        f"{what} cannot be trained on (source {source}): evaluation sets have zero training weight; name it "
+        "under evaluation (heldout: for held-out slices, sets: for external sets)"
+    )
+
+
+def _resolve_evaluation(
+    spec: EvaluationSpec | None,
+    sources: dict[str, Source],
+    phases: list[MixturePhase],
+    lines: Lines,
+    file: str | None,
+) -> tuple[Evaluation | None, list[Issue]]:
+    """The evaluation sets, and an issue for each set that is also trained on (a source of its name)."""
+    if spec is None:
+        return None, []
+    issues = []
+    selectors = []
+    for i, text in enumerate(spec.heldout):
+        try:
+            selectors.append(parse_selector(text))
+        except ValueError as error:
+            issues.append(lines.issue(("evaluation", "heldout", i), str(error)))
+    seen: set[str] = set()
+    for i, name in enumerate(spec.sets):
+        path = ("evaluation", "sets", i)
+        if name in seen:
+            issues.append(lines.issue(path, f"evaluation set {name} is listed twice"))
+        seen.add(name)
+        if name in sources:
+            trained = [
+                f"{phase.name} {float(phase.weights[name]):.4g}"
+                for phase in phases
+                if phase.weights.get(name, 0) > 0
+            ]
+            source_line = sources[name].where.line
+            at = f" (line {source_line})" if source_line else ""
+            how = f"weight {', '.join(trained)}" if trained else "no weight yet"
+            issues.append(
+                lines.issue(
+                    path,
+                    f"evaluation set {name} is also a training source: source {name}{at}, {how}; an "
+                    "evaluation set has zero training weight (rename the source or drop it from "
+                    "evaluation.sets)",
+                )
+            )
+    if not selectors and not spec.sets and not issues:
+        issues.append(lines.issue(("evaluation",), "names no evaluation set: give heldout: or sets:"))
+    where = Where(file, ("evaluation",), lines.line(("evaluation",)))
+    return Evaluation(tuple(selectors), spec.group_by, tuple(spec.sets), where), issues
 
 
 def _provenance(spec: MixtureSpec) -> dict[str, str] | None:
@@ -646,6 +760,14 @@ def _resolve_slice(
         )
         for phase in parent.phases
     ]
+    # A slice evaluates on its full run's sets unless it names its own.
+    evaluation = parent.evaluation
+    if spec.evaluation is not None:
+        evaluation, evaluation_issues = _resolve_evaluation(
+            spec.evaluation, parent.sources, parent.phases, lines, file
+        )
+        if evaluation_issues:
+            raise MixtureError(evaluation_issues)
     return Mixture(
         name=spec.name,
         description=spec.description,
@@ -666,4 +788,5 @@ def _resolve_slice(
         slice=SliceInfo(parent.name, parent_file, fraction, parent.total_tokens),
         counts_path=_relative(file, spec.counts) if spec.counts else parent.counts_path,
         spec=spec,
+        evaluation=evaluation,
     )

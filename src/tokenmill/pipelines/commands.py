@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from typing import TYPE_CHECKING
 
 from tokenmill import storage
+from tokenmill.corpora.paths import expand_inputs
 from tokenmill.errors import UsageError
 
 if TYPE_CHECKING:
@@ -49,21 +49,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="replace an earlier run's output in --output (curated/, removed/, rejected/, stats.json; "
         "nothing else there is touched); without it such a folder is refused",
     )
+    parser.add_argument(
+        "--dedupe-against",
+        action="append",
+        default=[],
+        metavar="INDEX",
+        help="an earlier run's dedupe index (OUTPUT/dedupe-index, or a `tokenmill dedupe-index merge` "
+        "output), local or gs://; the recipe's exact_dedupe and fuzzy_dedupe stages remove this run's "
+        "copies and near copies of what it kept (reasons earlier_duplicate, earlier_near_duplicate); "
+        "repeatable",
+    )
     add_runner_arguments(parser)
     parser.set_defaults(handler=run_curate)
 
+    index = subparsers.add_parser(
+        "dedupe-index", help="dedupe indexes of curate runs: merge them for --dedupe-against"
+    )
+    actions = index.add_subparsers(dest="action", required=True)
+    merge = actions.add_parser(
+        "merge",
+        help="the union of dedupe indexes, as one index",
+        description="Copy the runs of each INDEX (OUTPUT/dedupe-index of a curate run, or an earlier merge) "
+        "into --output with one manifest, so a crawl can be deduped against all earlier ones; a run in "
+        "two inputs is taken once. Indexes with different MinHash parameters are refused.",
+    )
+    merge.add_argument("indexes", nargs="+", metavar="INDEX")
+    merge.add_argument("--output", required=True, help="the merged index's folder, local or gs://...")
+    merge.set_defaults(handler=run_merge_indexes)
 
-def expand_inputs(patterns: list[str]) -> list[str]:
-    """Every file the patterns name, in sorted order; a pattern that matches nothing is an error."""
-    files: list[str] = []
-    for pattern in patterns:
-        matches = storage.expand_glob(pattern)
-        if not matches:
-            is_folder = storage.is_local(pattern) and os.path.isdir(storage.local_path(pattern))
-            what = "is a folder; give a glob such as DIR/*.jsonl.zst" if is_folder else "matches no file"
-            raise UsageError(f"--input {pattern!r} {what}")
-        files.extend(matches)
-    return sorted(dict.fromkeys(files))
+
+def run_merge_indexes(args: argparse.Namespace) -> int:
+    from tokenmill.pipelines.dedupe_index import DedupeIndexError, merge_indexes
+
+    try:
+        manifest = merge_indexes(args.indexes, args.output)
+    except DedupeIndexError as error:
+        raise UsageError(str(error)) from None
+    print(
+        f"merged {len(args.indexes)} indexes into {args.output}: {len(manifest.runs)} runs, "
+        f"{manifest.documents:,} documents"
+    )
+    return 0
 
 
 def earlier_run_parts(output: str) -> list[str]:
@@ -94,9 +120,9 @@ def check_output(output: str, overwrite: bool) -> list[str]:
 
 
 def run_curate(args: argparse.Namespace) -> int:
+    from tokenmill.corpora.paths import input_root
     from tokenmill.pipelines.curate import CurateRun, build_pipeline, clear_previous_output, stage_seconds
     from tokenmill.pipelines.options import make_pipeline
-    from tokenmill.pipelines.readers import input_root
     from tokenmill.pipelines.recipe import RecipeError, load_recipe
 
     try:
@@ -110,6 +136,7 @@ def run_curate(args: argparse.Namespace) -> int:
         inputs=inputs,
         output=args.output,
         input_root=input_root(args.input),
+        dedupe_against=list(getattr(args, "dedupe_against", None) or []),
     )
     log.info(
         "curate: %d input files, recipe %s (%s), output %s, runner %s",
@@ -119,11 +146,22 @@ def run_curate(args: argparse.Namespace) -> int:
         args.output,
         args.runner,
     )
+    for index in run.dedupe_against:
+        if index.rstrip("/").startswith(args.output.rstrip("/") + "/"):
+            raise UsageError(
+                f"--dedupe-against {index} is inside --output {args.output}, which this run replaces; "
+                "copy or merge it elsewhere first (tokenmill dedupe-index merge)"
+            )
     dry_run = bool(getattr(args, "dry_run", False))
     # A dry run builds the job and touches nothing, so it neither reads nor clears the output.
     earlier = [] if dry_run else check_output(args.output, args.overwrite)
     pipeline = make_pipeline(args, "curate")
-    build_pipeline(pipeline, run)
+    from tokenmill.pipelines.dedupe_index import DedupeIndexError
+
+    try:
+        build_pipeline(pipeline, run)
+    except DedupeIndexError as error:
+        raise UsageError(str(error)) from None
     if earlier:  # only once the job graph is built: a recipe or graph error leaves the old output alone
         log.info("--overwrite: removing the earlier run's %s from %s", ", ".join(earlier), args.output)
         clear_previous_output(args.output)

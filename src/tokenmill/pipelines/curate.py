@@ -3,11 +3,13 @@
 The pipeline reads as its list of steps:
 
     read files -> normalize -> (recipe stages, in order: language, exact_dedupe, heuristic filters, ...)
-               -> default cell (the seam where the domain and quality classifiers go) -> write
+               -> default cell (the seam where the domain and quality classifiers go)
+               -> dedupe clusters (every dedupe removal's kept_id made final, dup_cluster_size) -> write
 
 Every document read ends in exactly one place: curated/ (kept), removed/stage=<s>/reason=<r>/ (with
-why), or rejected/ (input that is not a document). stats.json counts what was read independently of
-where it went, so `balanced` proves the invariant rather than restating it.
+why), or rejected/ (input that is not a document). With a dedupe stage, dedupe-index/ records what was
+kept, for later runs' --dedupe-against (tokenmill.pipelines.dedupe_index). stats.json counts what was
+read independently of where it went, so `balanced` proves the invariant rather than restating it.
 
 Output is a function of the input and the recipe alone: files are sharded by a stable hash of the
 document id and sorted within, so reruns give the same bytes. An output folder that holds an earlier
@@ -25,25 +27,34 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import apache_beam as beam
 
 from tokenmill import storage
 from tokenmill.cells import cell_name
+from tokenmill.corpora.paths import common_file_root
+from tokenmill.corpora.readers import read_file
+from tokenmill.corpora.records import DEFAULT_MAX_RECORD_BYTES, InputFields
 from tokenmill.filters.base import DocumentStep, sum_numbers
 from tokenmill.formats import stats as stats_format
 from tokenmill.formats.base import parse
 from tokenmill.formats.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
 from tokenmill.formats.rejected import write_rejected
 from tokenmill.formats.stats import STATS, CurateStats
-from tokenmill.pipelines.readers import DEFAULT_MAX_RECORD_BYTES, InputFields, common_file_root, read_file
+from tokenmill.pipelines.dedupe_clusters import DedupeClusters
+from tokenmill.pipelines.dedupe_index import (
+    WriteDedupeIndex,
+    attach_earlier_indexes,
+    index_params,
+    load_indexes,
+)
 from tokenmill.pipelines.recipe import GroupingStep, Recipe, build_steps
 from tokenmill.pipelines.sinks import WritePartitioned, write_parquet
 
 log = logging.getLogger(__name__)
 
-OUTPUT_PARTS = ("curated", "removed", "rejected", STATS)
+OUTPUT_PARTS = ("curated", "removed", "rejected", "dedupe-index", STATS)
 _PATH_UNSAFE = str.maketrans({c: "_" for c in '/\\=:*?"<>| '})
 
 
@@ -77,9 +88,9 @@ class Progress:
 class ReadFile(beam.DoFn):
     """One input file -> documents (main output) and rejected records ('rejected').
 
-    Sources and ids are named relative to `root` (readers.relative_source). Memory per worker thread:
+    Sources and ids are named relative to `root` (corpora.paths.relative_source). Memory per worker thread:
     one read chunk, one record of at most `max_record_bytes` (longer ones are rejected unread) and the
-    ids of the file being read (readers.IdLedger), whatever the file's size; no shuffle. Storage errors
+    ids of the file being read (records.IdLedger), whatever the file's size; no shuffle. Storage errors
     propagate, so the runner retries the file (its earlier outputs are discarded with the failed
     bundle); a file that keeps failing fails the job instead of losing documents.
     """
@@ -206,9 +217,11 @@ class CurateRun:
     recipe_path: str
     inputs: list[str]
     output: str
-    #: The folder that sources and ids are named relative to: readers.input_root of the --input patterns
+    #: The folder that sources and ids are named relative to: paths.input_root of the --input patterns
     #: (None: the common folder of `inputs`).
     input_root: str | None = None
+    #: Earlier runs' dedupe indexes (--dedupe-against): the dedupe stages remove what duplicates them.
+    dedupe_against: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.input_root is None:
@@ -220,7 +233,7 @@ def build_stats(
 ) -> CurateStats:
     """stats.json from the combined counts, the files written and the stages' own statistics
     (docs/formats.md, "stats.json")."""
-    from tokenmill.pipelines.readers import relative_source
+    from tokenmill.corpora.paths import relative_source
 
     def triple(documents=0, characters=0, tokens=0):
         return {"documents": documents, "characters": characters, "tokens_estimated": tokens}
@@ -320,6 +333,7 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
     recipe = run.recipe
     chars_per_token = recipe.chars_per_token
     steps = build_steps(recipe, run.recipe_path)
+    attach_earlier_indexes(steps, load_indexes(run.dedupe_against))
 
     read = (
         pipeline
@@ -334,6 +348,7 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
     read_stats = documents | "CountRead" >> beam.FlatMap(_read_entries, chars_per_token)
 
     removed_parts = []
+    removed_stages = []  # the stage of each of removed_parts, for DedupeClusters
     stage_stats_parts = []
     batches = documents | "Batch0" >> beam.BatchElements(
         min_batch_size=recipe.batch_size, max_batch_size=recipe.batch_size
@@ -343,6 +358,10 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
             unbatched = batches | f"Unbatch{position}" >> beam.FlatMap(lambda batch: batch)
             result = unbatched | f"Step{position}_{step.stage}" >> step.transform
             removed_parts.append(result["removed"])
+            removed_stages.append(step.stage)
+            if "removed_earlier" in result:  # not a dedupe pointer: names an earlier run's document
+                removed_parts.append(result["removed_earlier"])
+                removed_stages.append(f"{step.stage}/earlier")
             if "stats" in result:
                 stage_stats_parts.append(result["stats"])
             batches = result["kept"] | f"Batch{position}" >> beam.BatchElements(
@@ -353,6 +372,7 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
             "removed", "stats", main="kept"
         )
         removed_parts.append(result.removed)
+        removed_stages.append(step.stage)
         stage_stats_parts.append(result.stats)
         batches = result.kept
 
@@ -363,7 +383,14 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         # The seam for the domain and quality classifiers: documents they did not place get the default.
         | "DefaultCell" >> beam.Map(_fill_cell, cell.domain, cell.quality)
     )
-    removed = tuple(removed_parts) | "AllRemoved" >> beam.Flatten()
+    # Every dedupe removal's kept_id made final, and every kept document's dup_cluster_size.
+    finished = (kept, *removed_parts) | "DedupeClusters" >> DedupeClusters(removed_stages)
+    kept, removed = finished["kept"], finished["removed"]
+    stage_stats_parts.append(finished["stats"])
+    dedupes, minhash = index_params(steps)
+    index_files = []
+    if dedupes and recipe.dedupe_index:  # what later runs dedupe against (--dedupe-against)
+        index_files.append(kept | "DedupeIndex" >> WriteDedupeIndex(run.output, recipe.name, minhash))
     rejected = read.rejected
 
     target = recipe.target_file_bytes
@@ -422,7 +449,7 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
     ) | "AllStats" >> beam.Flatten()
     # stats.json marks a finished run, so it waits for every file: the file list is its side input.
     files = (
-        (curated_files, removed_files, rejected_files)
+        (curated_files, removed_files, rejected_files, *index_files)
         | "AllFiles" >> beam.Flatten()
         | "FileList" >> beam.combiners.ToList()
     )

@@ -1,45 +1,12 @@
 """Beam's DaskRunner, completed so that tokenmill's pipelines run on a dask.distributed cluster.
 
-Beam's DaskRunner (apache_beam.runners.dask, Beam 2.77) turns a pipeline into Dask Bags, but as shipped it
-cannot run curate:
-
-- a ParDo with several outputs (`with_outputs`) gives every consumer all of its outputs mixed together
-  (it keeps one bag per transform, not one per output): curate fails on its first stats entry;
-- what a DoFn emits in `finish_bundle` is dropped: BatchElements emits its last partial batch there, so
-  documents vanish;
-- only the bag of the last transform visited is computed: a branch that does not feed it never runs;
-- a side input is computed again inside each task that reads it, with the whole graph upstream of it
-  (writers included), on that one worker;
-- DoFn.setup and teardown run for every bundle, and `result.metrics()` raises.
-
-This subclass keeps Beam's DaskRunner options (`--dask_client_address`, `--dask_npartitions`,
-`--dask_partition_size`, ...) and its transform overrides (Create, Reshuffle, GroupByKey, Flatten), and
-translates the pipeline into a Dask task graph of its own: each PCollection is a list of partitions
-(bundles of WindowedValues); a ParDo is one task per partition whose outputs are selected per tag, with
-what finish_bundle emits; GroupByKey is a hash shuffle followed by Beam's GroupAlsoByWindow; CombinePerKey
-becomes Beam's LiftedCombinePerKey (values combined per bundle before the shuffle); a side input is one
-task that gathers it, on which the tasks that read it depend; every leaf of the graph is computed.
-DoFns are set up once per worker process and transform and reused across bundles, as Beam's other
-runners do (so `SharedModel`s load once per process); Beam counters reach `result.metrics()`; a failed
-task is retried (`--dask_task_retries`).
-
-Without `--dask_client_address` (tokenmill's `--dask_address`) the runner starts a LocalCluster of
-`--dask_local_workers` worker processes, one thread each, on 127.0.0.1, and stops it when the run ends.
-Workers of a remote cluster need tokenmill installed (the same version as the launcher).
-
-Refused with an error that names the transform: stateful DoFns and timers, splittable DoFns and
-`beam.io.Read` sources, unbounded (streaming) input. Reshuffle moves nothing (Beam's override does the
-same).
-
-Memory, shuffle and tasks: a partition is one task's list in worker memory (Dask spills to disk under
-pressure). Create makes one partition per element up to 1,024 (one input file each, in curate); a
-GroupByKey writes `--dask_shuffle_partitions` partitions (default twice the cluster's threads), moving
-every element once, as P x Q small tasks for P input partitions, and holds each key's group whole in one
-task (a combiner's key holds one accumulator per input partition instead); Flatten keeps its inputs'
-partitions. A side input is held whole by each worker that reads it. At 10 TB on 1,000 workers the
-task count is the limit: 1,024 input partitions x 2,000 shuffle partitions is 2M tasks per GroupByKey,
-beyond what one Dask scheduler dispatches quickly, so Dask suits clusters of tens of workers and
-Dataflow the largest runs.
+Beam 2.77's DaskRunner mixes a multi-output ParDo's outputs, drops what finish_bundle emits, computes only
+the last transform's bag and recomputes side inputs per task; this subclass keeps its options and transform
+overrides and translates the pipeline into a Dask task graph of its own (per-tag outputs, a hash-shuffle
+GroupByKey, lifted combines, side inputs as tasks, DoFns set up once per worker, counters, retries).
+Without `--dask_client_address` it starts a LocalCluster for the run. What it refuses, and how memory,
+shuffle and task counts grow (Dask suits clusters of tens of workers; Dataflow the largest runs):
+docs/operations.md, "Dask".
 """
 
 from __future__ import annotations

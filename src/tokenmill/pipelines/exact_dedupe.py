@@ -19,33 +19,31 @@ more than one copy of it, and none holds more than `group_size` ids of it.
 
 Everything is a function of the set of documents: the smallest id wins wherever and in whatever order
 the copies arrive.
+
+With earlier runs' dedupe indexes (`--dedupe-against`, tokenmill.pipelines.dedupe_index) their (text
+hash, marker) pairs join the combiner: a marker sorts before every id and is not a copy, so every copy of
+a text an earlier run kept goes to the `removed_earlier` output (reason `earlier_duplicate`, `detail`
+naming the earlier id and run), and texts only earlier runs have are dropped after the combine.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import apache_beam as beam
 
-from tokenmill.pipelines.readers import DuplicateIdError
+from tokenmill.pipelines.dedupe_index import EARLIER_EXACT, earlier_exact_pairs, is_earlier, parse_marker
+from tokenmill.pipelines.dedupe_keys import DECISION, DOCUMENT, document_and_decision, text_hash
 from tokenmill.pipelines.sinks import stable_hash
 
 STAGE = "exact_dedupe"
 REASON = "exact_duplicate"
 #: Ids per salted group when the copies of one text are matched with the kept id.
 GROUP_SIZE = 1000
-# Tags of the values in the id join and the salted join.
-_DOCUMENT, _VERDICT = 0, 1
+# Tags of the values in the salted join.
 _KEPT_ID, _COPY_ID = 0, 1
-
-
-def text_hash(text: str) -> str:
-    """The 128-bit exact-duplicate key of a normalized text."""
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def salt_count(copies: int, group_size: int) -> int:
@@ -62,7 +60,9 @@ class _FirstCopy(beam.CombineFn):
 
     def add_input(self, accumulator: tuple[str | None, int], identifier: str) -> tuple[str | None, int]:
         smallest, copies = accumulator
-        return (identifier if smallest is None or identifier < smallest else smallest), copies + 1
+        # An earlier run's document (--dedupe-against) sorts first and is not a copy of this run.
+        copies += not identifier.startswith("\x00")
+        return (identifier if smallest is None or identifier < smallest else smallest), copies
 
     def merge_accumulators(self, accumulators: Iterable[tuple[str | None, int]]) -> tuple[str | None, int]:
         smallest, copies = None, 0
@@ -106,27 +106,6 @@ def _verdicts(element: tuple[tuple[str, int], Iterable[tuple[int, str]]]):
             yield identifier, (digest, kept_id)
 
 
-def document_and_decision(
-    stage: str, identifier: str, values: Iterable[tuple[int, Any]]
-) -> tuple[dict | None, Any]:
-    """The values a join by id grouped under one id, tagged 0 for the document and 1 for what was decided
-    about it: (the document, the decision), either None where absent. Two documents with one id fail the
-    run (DuplicateIdError): a dedupe stage keeps or removes by id. Memory: the two values of one id."""
-    document = decision = None
-    for tag, value in values:
-        if tag == _DOCUMENT:
-            if document is not None:
-                raise DuplicateIdError(
-                    f"{stage}: two documents have the id {identifier!r} (sources "
-                    f"{document.get('source')!r} and {value.get('source')!r}); ids must be unique, and "
-                    "dedupe keeps or removes by id"
-                )
-            document = value
-        else:
-            decision = value
-    return document, decision
-
-
 class _Decide(beam.DoFn):
     """id -> its document and its verdict: kept (main output) or removed ('removed')."""
 
@@ -138,6 +117,19 @@ class _Decide(beam.DoFn):
         digest, kept_id = verdict
         if kept_id == identifier:
             yield document
+        elif is_earlier(kept_id):
+            run, earlier_id = parse_marker(kept_id)
+            yield beam.pvalue.TaggedOutput(
+                "removed_earlier",
+                {
+                    **document,
+                    "stage": STAGE,
+                    "reason": EARLIER_EXACT,
+                    "detail": json.dumps(
+                        {"earlier_id": earlier_id, "earlier_run": run, "text_hash": digest}, sort_keys=True
+                    ),
+                },
+            )
         else:
             yield beam.pvalue.TaggedOutput(
                 "removed",
@@ -158,7 +150,8 @@ class ExactDedupe(beam.PTransform):
     one document. Per worker: one combiner accumulator per text hash in a bundle, one salted group of
     about `group_size` ids at a time (iterated, not held), one document at a time; and the side input of
     the texts with more than `group_size` copies (at most documents / `group_size` entries, in practice
-    the few boilerplate texts of a crawl).
+    the few boilerplate texts of a crawl). With `against`, the earlier indexes' (hash, id) pairs are read
+    and combined once more (about 50 bytes per earlier document, combined per hash before the shuffle).
     """
 
     stage = STAGE
@@ -168,13 +161,22 @@ class ExactDedupe(beam.PTransform):
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         self.group_size = group_size
+        #: Earlier runs' dedupe indexes (tokenmill.pipelines.dedupe_index.attach_earlier_indexes): their
+        #: texts join the combiner, so every copy of a text they kept is removed as earlier_duplicate.
+        self.against: tuple = ()
 
     def expand(self, documents):
         group_size = self.group_size
         pairs = documents | "HashAndId" >> beam.Map(
             lambda document: (text_hash(document["text"]), document["id"])
         ).with_output_types(tuple[str, str])
-        first_copies = pairs | "FirstCopy" >> beam.CombinePerKey(_FirstCopy())
+        combined = pairs
+        if self.against:
+            earlier = earlier_exact_pairs(documents.pipeline, self.against, "EarlierTexts")
+            combined = (pairs, earlier) | "WithEarlierTexts" >> beam.Flatten()
+        first_copies = combined | "FirstCopy" >> beam.CombinePerKey(_FirstCopy())
+        if self.against:  # texts only earlier runs have: no copy here to decide
+            first_copies = first_copies | "CopiesHere" >> beam.Filter(lambda element: element[1][1] > 0)
         # Only texts with more copies than one group holds need salts; everything else has salt 0.
         salts = (
             first_copies
@@ -192,11 +194,35 @@ class ExactDedupe(beam.PTransform):
         )
         decided = (
             (
-                documents | "KeyById" >> beam.Map(lambda document: (document["id"], (_DOCUMENT, document))),
-                verdicts | "TagVerdicts" >> beam.Map(lambda verdict: (verdict[0], (_VERDICT, verdict[1]))),
+                documents | "KeyById" >> beam.Map(lambda document: (document["id"], (DOCUMENT, document))),
+                verdicts | "TagVerdicts" >> beam.Map(lambda verdict: (verdict[0], (DECISION, verdict[1]))),
             )
             | "DocumentsAndVerdicts" >> beam.Flatten()
             | "JoinById" >> beam.GroupByKey()
-            | "Decide" >> beam.ParDo(_Decide()).with_outputs("removed", main="kept")
+            | "Decide" >> beam.ParDo(_Decide()).with_outputs("removed", "removed_earlier", main="kept")
         )
-        return {"kept": decided.kept, "removed": decided.removed}
+        if not self.against:
+            return {"kept": decided.kept, "removed": decided.removed}
+        stats = (
+            (
+                documents.pipeline | "EarlierStatsZero" >> beam.Create([{"earlier_duplicates": 0}]),
+                decided.removed_earlier | "EarlierCount" >> beam.Map(lambda _: {"earlier_duplicates": 1}),
+            )
+            | "EarlierStats" >> beam.Flatten()
+            | "SumEarlierStats" >> beam.CombineGlobally(_sum_counts)
+            | "StageStats" >> beam.Map(lambda numbers: (STAGE, numbers))
+        )
+        return {
+            "kept": decided.kept,
+            "removed": decided.removed,
+            "removed_earlier": decided.removed_earlier,
+            "stats": stats,
+        }
+
+
+def _sum_counts(parts: Iterable[dict]) -> dict:
+    total: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0) + value
+    return total

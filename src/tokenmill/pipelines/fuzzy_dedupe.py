@@ -1,21 +1,59 @@
 """`fuzzy_dedupe`: near-duplicate removal with MinHash LSH, as Beam transforms without hot keys.
 
-A grouping stage of the curate recipe (see tokenmill.pipelines.recipe). Nothing is gathered on one
-machine, and only ids and band keys move until the one join with the documents:
+A grouping stage of the curate recipe (see tokenmill.pipelines.recipe). Near-duplicate pairs are decided
+before connected components, and only ids, compact signatures and band keys move until the one join with
+the documents:
 
-    documents -> MinHash signature -> 14 (band key, node) per document     (tokenmill.filters.minhash)
-      -> GroupByKey per band bucket, iterated twice -> star edges (member -> the bucket's smallest node)
-      -> connected components: `max_rounds` large-star / small-star rounds unrolled in the graph, each
-         peeling off the components that have become stars; what is left is solved exactly
+    documents -> MinHash signature -> 20 (band key, member) per document    (tokenmill.filters.minhash)
+      -> GroupByKey per band bucket: the bucket's candidate pairs verified by the estimate of their
+         similarity from the two signatures (every pair of a bucket of up to `bucket_cap` members; each
+         member against `representatives` of a larger one, the rest counted as capped)
+      -> verified edges: a spanning forest of the bucket's similar pairs (member -> the smallest node of
+         its similar group), at most members - 1 per bucket
+      -> connected components over the verified edges: `max_rounds` large-star / small-star rounds
+         unrolled in the graph, each peeling off the components that have become stars; what is left
+         is solved exactly
       -> GroupByKey by id: each document meets its label (the one shuffle of whole documents)
       -> kept: documents without near duplicates and each component's root; the other members are
-         removed with reason `near_duplicate`, or with verification sent, whole, to a salted group of
-         their root, checked against the root's shingles there, and kept or removed
+         removed with reason `near_duplicate`, naming the root
 
 **Nodes.** A document's node is its key `node_key(id)`: 16 hex digits of a 64-bit hash of the id, then
 the id. Nodes compare by (hash, id), so the order of ids in the input (a chain of near duplicates whose
 ids follow the chain, say) never lines up with the graph: every input is as good as randomly labelled.
 The node that is smallest in this order is the component's root, the document that is kept.
+
+**Banding for verification.** The default banding is 20 bands x 5 rows (100 permutations), more
+sensitive than the 14 x 8 of LSH without verification (datatrove, FineWeb): a pair at Jaccard 0.8 is a
+candidate with probability 0.9996 instead of 0.92, one at 0.5 with 0.47 instead of 0.05. Verification
+removes the false candidates that this lets in; what it cannot do is link a pair that never became a
+candidate, and on real documents those were most of the near-identical pairs that survived 14 x 8.
+
+**Verified edges.** LSH makes a candidate of any two documents that share a band, and boilerplate (one
+template behind hundreds of pages) puts documents that share little else into one band bucket. Only
+candidate pairs whose estimated similarity reaches `threshold` become edges: `verify: jaccard` (the
+default) compares the fraction of equal signature rows (the MinHash estimate of Jaccard similarity, on
+the top 16 bits of each row), `verify: containment` the estimated share of the smaller document's
+shingles that are in the larger, `verify: none` takes every candidate (datatrove's behaviour). A pair's
+verdict depends only on its two signatures, so it is the same in every bucket the pair shares. Two
+documents whose estimated similarity reaches the threshold and that share a bucket of at most
+`bucket_cap` members always end in one component (only one of them is kept), and a document is removed
+only through a chain of verified edges, never through a bucket it merely shares.
+
+**Buckets without hot keys.** A bucket is read as its values arrive: up to `bucket_cap` members are held
+(their node keys and compact signatures: O(bucket_cap) memory) and every pair among them verified, k^2/2
+comparisons of 100 rows, vectorized. A bucket that grows past `bucket_cap` (a boilerplate band with 10^6
+members) keeps only its `representatives` smallest members, and its members are then read a second time
+(Beam's grouped values are re-iterable, streamed from the shuffle on Dataflow) and each verified against
+those: O(representatives) memory and k x representatives comparisons. Pairs of such a bucket that were
+not compared are counted (`capped_buckets`, `capped_members`: members similar to no representative,
+`capped_pairs`), never linked: a cap can only keep a near duplicate, never remove a document.
+
+**Shuffle.** Verification needs no shuffle of its own: each band key travels with its member, which is
+its node key, its compact signature (2 bytes x 100 rows) and its number of distinct shingles, about 280
+bytes, so the band shuffle is about 20 x 280 bytes per document whatever the number of candidate pairs.
+Candidate pairs are compared where the bucket is grouped (CPU k^2/2 per bucket up to `bucket_cap`, then
+linear in k) and leave as at most k - 1 verified edges per bucket: the edge shuffles of the components
+grow with the documents that have a near duplicate, not with the candidate pairs.
 
 **Connected components** (Kiveris et al., "Connected Components in MapReduce and Beyond", SoCC 2014).
 Large-star: every node links its larger neighbours to the smallest node of its neighbourhood; small-star:
@@ -30,21 +68,23 @@ the rounds leave (empty unless a component needs more rounds than `max_rounds`) 
 union-find in one combine, whose memory is O(residual nodes) on one worker; stats count it
 (`residual_edges`, `residual_nodes`). The result never depends on `max_rounds`: only its cost does.
 
-**Verification.** LSH links A~B and B~C even when A and C are far apart, and components then remove C
-as a duplicate of A. With `verify: containment` (the default) a member is removed only if at least
-`threshold` of its distinct shingles appear in the root's (`jaccard`: the true Jaccard similarity of
-the two shingle sets); a member that fails stays kept, in its component (`dup_cluster`). Members go to
-their root in salted groups: (root, hash of the member mod ceil(size / verify_group_size)), and the
-root's shingles go once to each salt, so a component of a million members is a thousand groups of about
-a thousand members, each iterated one member at a time, and the root's shingles are shipped a thousand
-times rather than a million.
+**One pass is enough.** The kept documents of a run share no verified edge (they are the roots of
+different components), and a rerun on them computes the same signatures and the same verdicts, on
+buckets that only lost members: without capped buckets it removes nothing (tested), and with them only
+pairs that a cap left uncompared.
 
-Everything is a function of the set of documents: node keys decide the roots, and every reducer's output
-is a function of its group's contents, whatever the worker count or the order of arrival.
+**Earlier runs.** With `--dedupe-against` (tokenmill.pipelines.dedupe_index.EarlierNearDuplicates), the
+documents with a verified near duplicate in an earlier run's index are removed first (`removed_earlier`,
+reason `earlier_near_duplicate`); earlier documents are never nodes of this graph.
+
+Everything is a function of the set of documents: node keys decide the roots and the representatives,
+and every reducer's output is a function of its group's contents, whatever the worker count or the
+order of arrival.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections import Counter
 from collections.abc import Iterable
@@ -54,8 +94,15 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.transforms.window import GlobalWindows
 
-from tokenmill.filters.minhash import MAX_NGRAM, MinHasher, containment, jaccard
-from tokenmill.pipelines.exact_dedupe import document_and_decision, salt_count
+from tokenmill.filters.minhash import (
+    MAX_NGRAM,
+    MinHasher,
+    compact_signatures,
+    containment_from_jaccard,
+    distinct_counts,
+    estimated_jaccard_from_agreement,
+)
+from tokenmill.pipelines.dedupe_keys import document_and_decision, node_id, node_key
 from tokenmill.pipelines.sinks import stable_hash
 
 STAGE = "fuzzy_dedupe"
@@ -63,11 +110,14 @@ REASON = "near_duplicate"
 VERIFY_METRICS = ("containment", "jaccard")
 #: Rounds unrolled before the exact finish: enough for randomly ordered chains of ~10^7 nodes.
 DEFAULT_ROUNDS = 20
-#: Members per salted verification group.
-VERIFY_GROUP_SIZE = 1000
+#: Band buckets of up to this many members have every pair verified (their members held meanwhile).
+BUCKET_CAP = 1000
+#: Members of a larger bucket that each of its members is verified against: its smallest nodes.
+REPRESENTATIVES = 16
+#: Members of a capped bucket compared with its representatives in one vectorized step.
+_CHUNK = 1024
 #: Keys of the stage's stats that combine by maximum; every other number is summed.
 _MAX_STATS = ("largest_component", "largest_bucket")
-_HASH_DIGITS = 16
 
 # Between the two steps of a round, messages travel beside the edges as strings that start with "~",
 # which sorts after every node key (node keys start with a hex digit): the minimum of a group is a node
@@ -82,19 +132,8 @@ _FINISHED = "~F"  # (root, _FINISHED): the root's component is a star
 #: the components of a 100,000-leaf star take half the Python calls that way.
 _EDGE = tuple[Any, Any]
 
-# Tags of the values of the id join and of the verification groups.
+# Tags of the values of the id join.
 _DOCUMENT, _LABEL = 0, 1
-_ROOT_SHINGLES, _MEMBER = 0, 1
-
-
-def node_key(identifier: str) -> str:
-    """A document's node in the graph: the 64-bit stable hash of its id in hex, then the id."""
-    return f"{stable_hash(identifier):016x}{identifier}"
-
-
-def node_id(key: str) -> str:
-    """The document id of a node key."""
-    return key[_HASH_DIGITS:]
 
 
 def size_bucket(size: int) -> str:
@@ -177,49 +216,179 @@ class _Fingerprint(beam.DoFn):
 
 
 class _BandKeys(beam.DoFn):
-    """A batch of documents -> (band key, node) for every band of every document that has shingles."""
+    """A batch of documents -> (band key, member) for every band of every document that has shingles.
 
-    def __init__(self, ngram: int, bands: int, rows: int, seed: int):
+    A member is (node, compact signature bytes, distinct shingles): what verification compares, carried
+    with each band key so that a bucket can be verified where it is grouped. Without verification the
+    signature is left out (b""), and the shingles are counted only for `verify: containment` (0 else)."""
+
+    def __init__(self, ngram: int, bands: int, rows: int, seed: int, verify: str | None):
         self.params = (ngram, bands, rows, seed)
+        self.verify = verify
 
     def setup(self):
         self.hasher = MinHasher(*self.params)
 
     def process(self, batch):
-        signatures, present = self.hasher.signatures([document["text"] for document in batch])
-        for document, signature, has_shingles in zip(batch, signatures, present, strict=True):
-            if not has_shingles:
+        shingles, offsets = self.hasher.shingle_batch([document["text"] for document in batch])
+        signatures, present = self.hasher.signatures_from_shingles(shingles, offsets)
+        compact = compact_signatures(signatures) if self.verify else None
+        sizes = distinct_counts(shingles, offsets) if self.verify == "containment" else None
+        for index, document in enumerate(batch):
+            if not present[index]:
                 continue
-            node = node_key(document["id"])
-            for key in self.hasher.band_keys(signature):
-                yield key, node
+            member = (
+                node_key(document["id"]),
+                b"" if compact is None else compact[index].tobytes(),
+                0 if sizes is None else int(sizes[index]),
+            )
+            for key in self.hasher.band_keys(signatures[index]):
+                yield key, member
         yield beam.pvalue.TaggedOutput(
             "stats", {"documents": len(batch), "documents_without_words": int((~present).sum())}
         )
 
 
-def _star_edges(bucket: tuple[bytes, Iterable[str]]):
-    """The nodes of one band bucket -> (member, smallest node) edges: a star spans the bucket.
+def _local_root(parents: list[int], index: int) -> int:
+    """Union-find over the positions of a bucket's held members (path halving)."""
+    while parents[index] != index:
+        parents[index] = parents[parents[index]]
+        index = parents[index]
+    return index
 
-    Two passes over the grouped values (re-iterable in Beam, streamed from the shuffle on Dataflow): the
-    smallest node and the count, then the edges. Memory is O(1) in the size of the bucket.
+
+def _local_union(parents: list[int], first: int, second: int) -> None:
+    """Join under the smaller position: members are held in node order, so every root is its group's
+    smallest node."""
+    first, second = _local_root(parents, first), _local_root(parents, second)
+    if first < second:
+        parents[second] = first
+    elif second < first:
+        parents[first] = second
+
+
+class _BucketEdges(beam.DoFn):
+    """One band bucket -> verified edges (member node, smallest node of its similar group) and its stats.
+
+    Pass one reads the members as they arrive, holding at most `bucket_cap` of them; a bucket of at most
+    `bucket_cap` has every pair compared, and each member linked to the smallest node of its group of
+    similar members (union-find over the held members: a spanning forest of the verified pairs, at most
+    k - 1 edges, and the same components as all of them). A larger bucket keeps only its
+    `representatives` smallest members from pass one; pass two reads the bucket again and links each
+    member to each group of representatives that it is similar to, in chunks of `_CHUNK` members. Memory
+    O(bucket_cap) either way. Without verification (`metric` None) every member links to the bucket's
+    smallest node, as LSH alone would.
     """
-    _, nodes = bucket
-    smallest = None
-    count = 0
-    for node in nodes:
-        count += 1
-        if smallest is None or node < smallest:
-            smallest = node
-    if count < 2:
-        return
-    for node in nodes:
-        if node != smallest:
-            yield node, smallest
-    yield beam.pvalue.TaggedOutput(
-        "stats",
-        {"colliding_buckets": 1, "bucket_pairs": count * (count - 1) // 2, "largest_bucket": count},
-    )
+
+    def __init__(
+        self, num_perm: int, metric: str | None, threshold: float, bucket_cap: int, representatives: int
+    ):
+        self.num_perm = num_perm
+        self.metric = metric
+        self.threshold = threshold
+        self.bucket_cap = bucket_cap
+        self.representatives = representatives
+
+    def _signatures(self, members: list) -> tuple[np.ndarray, np.ndarray]:
+        signatures = np.frombuffer(b"".join(member[1] for member in members), np.uint16)
+        sizes = np.array([member[2] for member in members], np.int64)
+        return signatures.reshape(len(members), self.num_perm), sizes
+
+    def _similar(self, equal_rows: np.ndarray, sizes: np.ndarray, other_sizes: np.ndarray) -> np.ndarray:
+        """Which compared pairs are near duplicates: their estimated similarity reaches the threshold."""
+        similarity = estimated_jaccard_from_agreement(equal_rows, self.num_perm)
+        if self.metric == "containment":
+            similarity = containment_from_jaccard(
+                similarity, np.minimum(sizes, other_sizes), np.maximum(sizes, other_sizes)
+            )
+        return similarity >= self.threshold
+
+    def process(self, bucket: tuple[bytes, Iterable[tuple[str, bytes, int]]]):
+        _, members = bucket
+        held: list | None = []
+        smallest: list = []  # the `representatives` smallest members, once the bucket is over the cap
+        count = 0
+        for member in members:
+            count += 1
+            if held is not None:
+                held.append(member)
+                if len(held) > self.bucket_cap:
+                    smallest = sorted(held)[: self.representatives]
+                    held = None
+            elif member < smallest[-1]:
+                bisect.insort(smallest, member)
+                smallest.pop()
+        if count < 2:
+            return
+        stats = {"colliding_buckets": 1, "bucket_pairs": count * (count - 1) // 2, "largest_bucket": count}
+        if self.metric is None:
+            root = min(held)[0] if held is not None else smallest[0][0]
+            for member in members if held is None else held:
+                if member[0] != root:
+                    yield member[0], root
+        elif held is not None:
+            yield from self._verify_all(sorted(held), stats)
+        else:
+            yield from self._verify_against_representatives(members, smallest, count, stats)
+        yield beam.pvalue.TaggedOutput("stats", stats)
+
+    def _verify_all(self, held: list, stats: dict):
+        """Every pair of members held in node order, then each member -> the smallest node of its group of
+        similar members. Returns (via StopIteration) each member's root position, for the caller."""
+        signatures, sizes = self._signatures(held)
+        parents = list(range(len(held)))
+        similar = 0
+        for index in range(len(held) - 1):
+            equal_rows = (signatures[index + 1 :] == signatures[index]).sum(axis=1)
+            for other in np.flatnonzero(self._similar(equal_rows, sizes[index], sizes[index + 1 :])):
+                similar += 1
+                _local_union(parents, index, index + 1 + int(other))
+        roots = [_local_root(parents, index) for index in range(len(held))]
+        for index, member in enumerate(held):
+            if roots[index] != index:
+                yield member[0], held[roots[index]][0]
+        stats.update(verified_pairs=len(held) * (len(held) - 1) // 2, similar_pairs=similar)
+        return roots
+
+    def _verify_against_representatives(self, members: Iterable, smallest: list, count: int, stats: dict):
+        """A bucket over the cap: its representatives verified among themselves, then every other member
+        (read again, in chunks) against them; what matches none is counted as capped."""
+        positions = yield from self._verify_all(smallest, stats)
+        roots = [smallest[position][0] for position in positions]
+        signatures, sizes = self._signatures(smallest)
+        chosen = {member[0] for member in smallest}
+        unmatched = similar = 0
+        chunk: list = []
+
+        def link(chunk: list):
+            nonlocal unmatched, similar
+            chunk_signatures, chunk_sizes = self._signatures(chunk)
+            equal_rows = (chunk_signatures[:, None, :] == signatures[None, :, :]).sum(axis=2)
+            matches = self._similar(equal_rows, chunk_sizes[:, None], sizes[None, :])
+            similar += int(matches.sum())
+            for member, row in zip(chunk, matches, strict=True):
+                linked = sorted({roots[index] for index in np.flatnonzero(row)})
+                unmatched += not linked
+                for root in linked:
+                    yield member[0], root
+
+        for member in members:
+            if member[0] in chosen:
+                continue
+            chunk.append(member)
+            if len(chunk) == _CHUNK:
+                yield from link(chunk)
+                chunk = []
+        if chunk:
+            yield from link(chunk)
+        compared = stats["verified_pairs"] + (count - len(smallest)) * len(smallest)
+        stats.update(
+            verified_pairs=compared,
+            similar_pairs=stats["similar_pairs"] + similar,
+            capped_buckets=1,
+            capped_members=unmatched,
+            capped_pairs=count * (count - 1) // 2 - compared,
+        )
 
 
 # Edges are (larger node, smaller node) throughout: (child, parent).
@@ -540,8 +709,8 @@ class ConnectedComponents(beam.PTransform):
         return {"labels": labels, "stats": stats}
 
 
-def _removed(document: dict, root: str, size: int, extra: dict | None = None) -> dict:
-    detail = {"kept_id": root, "dup_cluster": root, "component_size": size, **(extra or {})}
+def _removed(document: dict, root: str, size: int) -> dict:
+    detail = {"kept_id": root, "dup_cluster": root, "component_size": size}
     return {
         **document,
         "dup_cluster": root,
@@ -560,17 +729,8 @@ def _removal_stats(document: dict) -> dict:
 
 
 class _Decide(beam.DoFn):
-    """id -> its document and its label (if it has near duplicates): kept (main output), removed, or,
-    with verification, sent to its root's salted group ('verify'), where the root sends its shingles
-    once per salt."""
-
-    def __init__(self, hasher_params: tuple[int, int, int, int], verify: str | None, group_size: int):
-        self.hasher_params = hasher_params
-        self.verify = verify
-        self.group_size = group_size
-
-    def setup(self):
-        self.hasher = MinHasher(*self.hasher_params)
+    """id -> its document and its label (if it has near duplicates): kept (main output; a component's
+    root, or a document without near duplicates) or removed, naming the root."""
 
     def process(self, element):
         identifier, values = element
@@ -583,74 +743,33 @@ class _Decide(beam.DoFn):
         root, size = label
         root_id = node_id(root)
         document = {**document, "dup_cluster": root_id}
-        salts = salt_count(size, self.group_size)
         if root_id == identifier:
             yield beam.pvalue.TaggedOutput("stats", {"kept_with_duplicates": 1})
-            if self.verify:
-                shingles = self.hasher.shingles(document["text"]).tobytes()
-                for salt in range(salts):
-                    yield beam.pvalue.TaggedOutput("verify", ((root, salt), (_ROOT_SHINGLES, shingles)))
             yield document
-        elif self.verify:
-            salt = stable_hash(identifier) % salts
-            yield beam.pvalue.TaggedOutput("verify", ((root, salt), (_MEMBER, (document, size))))
         else:
             yield beam.pvalue.TaggedOutput("stats", _removal_stats(document))
             yield beam.pvalue.TaggedOutput("removed", _removed(document, root_id, size))
 
 
-class _Verify(beam.DoFn):
-    """One salted group of a component: its members, each removed if similar enough to the root, else
-    kept (still in its component). Two passes: the root's shingles, then the members one at a time, so
-    memory is the root's shingles plus one member, whatever the group's size."""
-
-    def __init__(self, hasher_params: tuple[int, int, int, int], metric: str, threshold: float):
-        self.hasher_params = hasher_params
-        self.metric = metric
-        self.threshold = threshold
-
-    def setup(self):
-        self.hasher = MinHasher(*self.hasher_params)
-
-    def process(self, element):
-        (root, _), values = element
-        root_shingles = next((value for tag, value in values if tag == _ROOT_SHINGLES), None)
-        if root_shingles is None:  # cannot happen: a root sends its shingles to every salt
-            raise RuntimeError(f"{STAGE}: no shingles from the root {node_id(root)!r} for verification")
-        theirs = np.frombuffer(root_shingles, np.uint64)
-        for tag, value in values:
-            if tag != _MEMBER:
-                continue
-            document, size = value
-            mine = self.hasher.shingles(document["text"])
-            similarity = containment(mine, theirs) if self.metric == "containment" else jaccard(mine, theirs)
-            similarity = round(similarity, 4)
-            if similarity >= self.threshold:
-                yield beam.pvalue.TaggedOutput("stats", _removal_stats(document))
-                yield beam.pvalue.TaggedOutput(
-                    "removed", _removed(document, node_id(root), size, {self.metric: similarity})
-                )
-            else:
-                yield beam.pvalue.TaggedOutput("stats", {"verification_kept": 1})
-                yield document
-
-
 class FuzzyDedupe(beam.PTransform):
-    """Near-duplicate removal with MinHash LSH and connected components (see the module docstring).
+    """Near-duplicate removal with MinHash LSH, verified edges and connected components (see the module
+    docstring).
 
     Parameters (the recipe's `fuzzy_dedupe:` mapping): `ngram` words per shingle (5), `bands` x `rows`
-    of the LSH banding (14 x 8), `seed` of the permutations (1), `max_rounds` of connected components
-    unrolled before the exact finish (20), `verify` (`containment`, `jaccard` or `none`) with its
-    `threshold` (0.7), `verify_group_size` (members per verification group, 1,000) and `batch_size`
-    (documents per signature batch, 256).
+    of the LSH banding (20 x 5), `seed` of the permutations (1), `verify` (`jaccard`, `containment` or
+    `none`) with its `threshold` (0.7) on the pair's estimated similarity, `bucket_cap` (band buckets of
+    up to this many members have every pair verified, 1,000) and `representatives` (what each member of
+    a larger bucket is verified against, 16), `max_rounds` of connected components unrolled before the
+    exact finish (20) and `batch_size` (documents per signature batch, 256).
 
-    Memory and shuffle at 10 TB on 1,000 workers: band keys and node keys (14 x ~60 bytes a document)
-    are shuffled once by bucket; the candidate edges (ids only) a few times per round while their
-    component is unfinished (see ConnectedComponents); whole documents once, by id, one document per
-    group; with verification, the members of components once more, to their root's salted group, and
-    the roots' shingles once per salt (ceil(size / verify_group_size) copies). Per worker: one batch
-    of signatures, and one document (plus, in verification, one root's shingles) at a time: every
-    group, a million-member bucket or component included, is iterated, never held.
+    Memory and shuffle at 10 TB on 1,000 workers: band keys with their members (node key, 224-byte
+    compact signature, shingle count: 20 x ~280 bytes a document) are shuffled once by bucket, and
+    verification adds no shuffle: it grows the CPU of the bucket groups with their candidate pairs
+    (k^2/2 comparisons up to `bucket_cap`, k x `representatives` above), not what moves. The verified
+    edges (ids only, at most k - 1 per bucket) move a few times per round while their component is
+    unfinished (see ConnectedComponents); whole documents once, by id, one document per group. Per
+    worker: one batch of signatures, `bucket_cap` members of one bucket, and one document at a time:
+    every group, a million-member bucket or component included, is iterated, never held.
     """
 
     stage = STAGE
@@ -658,15 +777,17 @@ class FuzzyDedupe(beam.PTransform):
     def __init__(
         self,
         ngram: int = 5,
-        bands: int = 14,
-        rows: int = 8,
+        bands: int = 20,
+        rows: int = 5,
         seed: int = 1,
         max_rounds: int = DEFAULT_ROUNDS,
-        verify: str | None = "containment",
+        verify: str | None = "jaccard",
         threshold: float = 0.7,
         batch_size: int = 256,
-        verify_group_size: int = VERIFY_GROUP_SIZE,
+        bucket_cap: int = BUCKET_CAP,
+        representatives: int = REPRESENTATIVES,
         on_unconverged: str | None = None,
+        verify_group_size: int | None = None,
     ):
         super().__init__()
         if on_unconverged is not None:
@@ -675,6 +796,12 @@ class FuzzyDedupe(beam.PTransform):
                 "followed by an exact finish of whatever they leave), so there is nothing to fail or keep; "
                 "remove it from the recipe (max_rounds now only trades rounds for the finish's memory)"
             )
+        if verify_group_size is not None:
+            raise ValueError(
+                "verify_group_size is gone: candidate pairs are now verified inside their band bucket, "
+                "before connected components, and no member is compared with its component's root; "
+                "remove it from the recipe (bucket_cap and representatives bound a bucket's verification)"
+            )
         if not isinstance(ngram, int) or not 1 <= ngram <= MAX_NGRAM:
             raise ValueError(f"ngram must be an integer in 1..{MAX_NGRAM}, got {ngram!r}")
         for name, value in (
@@ -682,10 +809,16 @@ class FuzzyDedupe(beam.PTransform):
             ("rows", rows),
             ("max_rounds", max_rounds),
             ("batch_size", batch_size),
-            ("verify_group_size", verify_group_size),
+            ("bucket_cap", bucket_cap),
+            ("representatives", representatives),
         ):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if representatives > bucket_cap:
+            raise ValueError(
+                f"representatives ({representatives}) must not exceed bucket_cap ({bucket_cap}): they are "
+                "the members a bucket over the cap keeps"
+            )
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         if verify in (None, "none", False):
@@ -703,10 +836,28 @@ class FuzzyDedupe(beam.PTransform):
         self.verify = verify
         self.threshold = float(threshold)
         self.batch_size = batch_size
-        self.verify_group_size = verify_group_size
+        self.bucket_cap = bucket_cap
+        self.representatives = representatives
+        #: Earlier runs' dedupe indexes (tokenmill.pipelines.dedupe_index.attach_earlier_indexes): their
+        #: near duplicates are removed first, and the rest is deduped as usual.
+        self.against: tuple = ()
 
     def expand(self, documents):
         hasher_params = (self.ngram, self.bands, self.rows, self.seed)
+        earlier = None
+        if self.against:
+            from tokenmill.pipelines import dedupe_index
+
+            earlier = documents | "Earlier" >> dedupe_index.EarlierNearDuplicates(
+                STAGE,
+                self.against,
+                _DocumentBandKeys(hasher_params, self.verify, self.batch_size),
+                self.bands * self.rows,
+                self.verify,
+                self.threshold,
+                dedupe_index.GROUP_SIZE,
+            )
+            documents = earlier["kept"]
         stats_parts = [
             documents.pipeline
             | "StatsZero"
@@ -718,6 +869,11 @@ class FuzzyDedupe(beam.PTransform):
                         "colliding_buckets": 0,
                         "bucket_pairs": 0,
                         "largest_bucket": 0,
+                        "verified_pairs": 0,
+                        "similar_pairs": 0,
+                        "capped_buckets": 0,
+                        "capped_members": 0,
+                        "capped_pairs": 0,
                         "candidate_pairs": 0,
                         "components": 0,
                         "documents_in_components": 0,
@@ -728,7 +884,6 @@ class FuzzyDedupe(beam.PTransform):
                         "kept_with_duplicates": 0,
                         "removed_documents": 0,
                         "removed_characters": 0,
-                        "verification_kept": 0,
                         "bands": self.bands,
                         "rows": self.rows,
                         "ngram": self.ngram,
@@ -737,13 +892,13 @@ class FuzzyDedupe(beam.PTransform):
             )
         ]
 
-        # Signatures, band buckets, candidate edges: node keys only.
+        # Signatures, band buckets, verified edges: node keys and compact signatures only.
         bands = (
             documents
             | "BatchForSignatures"
             >> beam.BatchElements(min_batch_size=self.batch_size, max_batch_size=self.batch_size)
             | "BandKeys"
-            >> beam.ParDo(_BandKeys(*hasher_params))
+            >> beam.ParDo(_BandKeys(*hasher_params, self.verify))
             .with_output_types(tuple[bytes, Any])
             .with_outputs("stats", main="keys")
         )
@@ -751,8 +906,14 @@ class FuzzyDedupe(beam.PTransform):
         buckets = (
             bands.keys
             | "GroupByBand" >> beam.GroupByKey()
-            | "StarEdges"
-            >> beam.FlatMap(_star_edges).with_output_types(_EDGE).with_outputs("stats", main="edges")
+            | "VerifiedEdges"
+            >> beam.ParDo(
+                _BucketEdges(
+                    self.bands * self.rows, self.verify, self.threshold, self.bucket_cap, self.representatives
+                )
+            )
+            .with_output_types(_EDGE)
+            .with_outputs("stats", main="edges")
         )
         stats_parts.append(buckets.stats)
         components = buckets.edges | "Components" >> ConnectedComponents(self.max_rounds)
@@ -767,33 +928,38 @@ class FuzzyDedupe(beam.PTransform):
             )
             | "DocumentsAndLabels" >> beam.Flatten()
             | "JoinById" >> beam.GroupByKey()
-            | "Decide"
-            >> beam.ParDo(_Decide(hasher_params, self.verify, self.verify_group_size)).with_outputs(
-                "removed", "stats", "verify", main="kept"
-            )
+            | "Decide" >> beam.ParDo(_Decide()).with_outputs("removed", "stats", main="kept")
         )
         stats_parts.append(decided.stats)
-        kept_parts = [decided.kept]
-        removed_parts = [decided.removed]
-        if self.verify:
-            verified = (
-                decided.verify
-                | "GroupBySaltedRoot" >> beam.GroupByKey()
-                | "Verify"
-                >> beam.ParDo(_Verify(hasher_params, self.verify, self.threshold)).with_outputs(
-                    "removed", "stats", main="kept"
-                )
-            )
-            kept_parts.append(verified.kept)
-            removed_parts.append(verified.removed)
-            stats_parts.append(verified.stats)
-
+        if earlier is not None:
+            stats_parts.append(earlier["stats"])
         stats = (
             tuple(stats_parts)
             | "AllStats" >> beam.Flatten()
             | "SumStats" >> beam.CombineGlobally(_StatsCombine())
             | "StageStats" >> beam.Map(lambda numbers: (STAGE, numbers))
         )
-        kept = tuple(kept_parts) | "AllKept" >> beam.Flatten()
-        removed = tuple(removed_parts) | "AllRemoved" >> beam.Flatten()
-        return {"kept": kept, "removed": removed, "stats": stats}
+        result = {"kept": decided.kept, "removed": decided.removed, "stats": stats}
+        if earlier is not None:
+            result["removed_earlier"] = earlier["removed"]
+        return result
+
+
+class _DocumentBandKeys(beam.PTransform):
+    """Documents -> (band key, member), as the stage makes them: for matching against earlier indexes."""
+
+    def __init__(self, hasher_params: tuple, verify: str | None, batch_size: int):
+        super().__init__()
+        self.hasher_params = hasher_params
+        self.verify = verify
+        self.batch_size = batch_size
+
+    def expand(self, documents):
+        return (
+            documents
+            | "Batch" >> beam.BatchElements(min_batch_size=self.batch_size, max_batch_size=self.batch_size)
+            | "BandKeys"
+            >> beam.ParDo(_BandKeys(*self.hasher_params, self.verify))
+            .with_output_types(tuple[bytes, Any])
+            .with_outputs("stats", main="keys")
+        ).keys

@@ -263,7 +263,12 @@ def make_pipeline(args: argparse.Namespace, job_kind: str):
     from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
     if args.runner == "dask":
-        import tokenmill.pipelines.dask_runner  # noqa: F401 - registers --dask_local_workers with Beam
+        try:
+            import tokenmill.pipelines.dask_runner  # noqa: F401 - registers --dask_local_workers with Beam
+        except ModuleNotFoundError as error:  # the `dask` extra is not installed
+            raise _usage_error(
+                f"--runner dask needs dask and distributed ({error}): pip install 'tokenmill[dask]'"
+            ) from None
     flags = pipeline_flags(args)
     options = PipelineOptions(flags, save_main_session=False, pipeline_type_check=True)
     runner = create_runner(args)

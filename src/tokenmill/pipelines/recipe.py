@@ -7,6 +7,7 @@ chars_per_token: 4.0
 target_file_bytes: 256M
 max_record_bytes: 64MiB   # a longer line / record is rejected as record_too_large, never held whole
 removed_text: true        # false: removed/ keeps id, source, reason, detail and size, not the text
+dedupe_index: true        # with a dedupe stage: OUTPUT/dedupe-index/, for later runs' --dedupe-against
 default_cell: {domain: web, quality: 0}
 normalize: {max_chars: 1_000_000}
 stages:
@@ -30,7 +31,6 @@ named by import path, whose `expand(documents)` returns a dict with the PCollect
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tokenmill.corpora.records import DEFAULT_MAX_RECORD_BYTES, InputFields
 from tokenmill.domains.model import DomainsError
 from tokenmill.domains.stage import DomainClusters
 from tokenmill.filters.base import DocumentStep, DomainChains
@@ -50,8 +51,7 @@ from tokenmill.filters.heuristics import FILTER_CLASSES, HeuristicFilter, datatr
 from tokenmill.filters.language import LanguageFilter
 from tokenmill.filters.normalize import Normalize
 from tokenmill.filters.url_filter import UrlFilter
-from tokenmill.pipelines.readers import DEFAULT_MAX_RECORD_BYTES, InputFields
-from tokenmill.units import parse_count
+from tokenmill.units import parse_byte_size
 from tokenmill.validation import validation_problems
 
 
@@ -79,7 +79,7 @@ DOCUMENT_STAGES: dict[str, Callable[..., DocumentStep]] = {
 GROUPING_STAGES: dict[str, str] = {
     "exact_dedupe": "tokenmill.pipelines.exact_dedupe:ExactDedupe",
     "fuzzy_dedupe": "tokenmill.pipelines.fuzzy_dedupe:FuzzyDedupe",
-    "line_boilerplate": "tokenmill.pipelines.boilerplate:LineBoilerplate",
+    "line_boilerplate": "tokenmill.pipelines.line_boilerplate:LineBoilerplate",
 }
 #: `by_domain: {<domain>: [stages...], default: [stages...]}` gives each domain its own chain of
 #: per-document stages (after `domain_classifier`); see tokenmill.filters.base.DomainChains.
@@ -88,26 +88,6 @@ STAGE_KINDS = (*DOCUMENT_STAGES, *GROUPING_STAGES, BY_DOMAIN)
 #: Stages that set or read the domain classifier's label; `domain_clusters` (topic domains cNN, see
 #: tokenmill.domains.stage) replaces that label, so these run before it.
 _LABEL_READERS = ("domain_classifier", BY_DOMAIN, "line_boilerplate")  # line_boilerplate: skip_domains
-
-
-_BINARY_BYTES = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_byte_size(value: Any) -> int:
-    """A size in bytes: `64MiB` (binary suffixes KiB, MiB, GiB, TiB), or a count as tokenmill.units
-    parses it (`256M` = 256,000,000, `1_000_000`, `1e9`)."""
-    if isinstance(value, str):
-        text = value.strip().upper()
-        for suffix, scale in _BINARY_BYTES.items():
-            if text.endswith(suffix):
-                try:
-                    size = float(text[: -len(suffix)].strip().replace("_", "")) * scale
-                except ValueError:
-                    size = -1.0
-                if not math.isfinite(size) or size < 0 or size != int(size):
-                    raise ValueError(f"not a size in bytes: {value!r} (expected e.g. 64MiB, 1.5GiB or 256M)")
-                return int(size)
-    return parse_count(value)
 
 
 @dataclass
@@ -153,6 +133,9 @@ class Recipe(BaseModel):
     #: False records removed documents without their text (id, source, stage, reason, detail, n_chars):
     #: at web scale most of what is read is removed, and writing it whole doubles the output.
     removed_text: bool = True
+    #: True writes OUTPUT/dedupe-index/ (when the recipe has a dedupe stage): what this run kept, for later
+    #: runs' `--dedupe-against` (tokenmill.pipelines.dedupe_index).
+    dedupe_index: bool = True
     batch_size: int = Field(256, gt=0)
     default_cell: DefaultCell = DefaultCell()
     normalize: NormalizeParams = NormalizeParams()

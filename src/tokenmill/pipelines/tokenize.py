@@ -6,6 +6,14 @@ and verified, or else tokenizes the file in batches with `encode_batch` and stre
 (tokenmill.tokenize.writer). The done markers then flow to a per-cell step that writes manifest.json, and
 from there to one step that writes counts.json, so the catalog appears only once every shard is in place.
 
+With held-out slices (the default; docs/tokenize.md, "Held-out slices") a first pass runs before that:
+each file's candidates (tokenmill.tokenize.heldout) are tokenized, combined per cell into the cell's slice
+(a CombinePerKey whose accumulator holds at most the slice, so it is lifted before the shuffle: the shuffle
+carries per bundle and cell at most `max_tokens` tokens), and written as `<cell>/heldout/`; each cell's last
+held-out key then reaches the shard tasks as a side input (a few bytes per cell), so the training shards
+leave the slice out. The first pass reads every file once more (id and text columns) and tokenizes only
+the candidates: about the rule's fraction of the tokenizing work.
+
 The same graph runs on Beam's local FnApiRunner (SDK worker processes on this machine) and on Dataflow.
 """
 
@@ -27,7 +35,17 @@ from apache_beam.metrics import Metrics
 
 from tokenmill import storage
 from tokenmill.cells import parse_cell
-from tokenmill.formats.tokens import COUNTS, DONE_SUFFIX, MANIFEST, ShardMarker, read_counts
+from tokenmill.formats.tokens import (
+    BYTES_SUFFIX,
+    COUNTS,
+    DONE_SUFFIX,
+    HELDOUT_DIR,
+    MANIFEST,
+    HeldoutRule,
+    ShardMarker,
+    read_counts,
+)
+from tokenmill.tokenize.heldout import SliceAccumulator, select
 from tokenmill.tokenize.shards import DTYPES, INDEX_DTYPE
 from tokenmill.tokenize.tokenizer import (
     TokenizerInfo,
@@ -40,7 +58,9 @@ from tokenmill.tokenize.writer import (
     ShardTask,
     process_shard,
     read_marker,
+    select_file,
     write_counts,
+    write_heldout,
     write_manifest,
 )
 
@@ -86,18 +106,13 @@ def discover_tasks(curated: str) -> list[ShardTask]:
     ]
 
 
-class TokenizeShardFn(beam.DoFn):
-    """Tokenizes one shard task (or keeps its complete shard) and emits the shard's done marker."""
+class _TokenizerFn(beam.DoFn):
+    """A DoFn that loads the tokenizer once per worker, after checking it is the one the job started with."""
 
-    def __init__(self, output: str, tokenizer_path: str, info: TokenizerInfo, batch_documents: int) -> None:
-        self.output = output
+    def __init__(self, tokenizer_path: str, info: TokenizerInfo, batch_documents: int) -> None:
         self.tokenizer_path = tokenizer_path
         self.info = info
         self.batch_documents = batch_documents
-        self.written = Metrics.counter(METRICS_NAMESPACE, "shards_written")
-        self.kept = Metrics.counter(METRICS_NAMESPACE, "shards_kept")
-        self.documents = Metrics.counter(METRICS_NAMESPACE, "documents_written")
-        self.tokens = Metrics.counter(METRICS_NAMESPACE, "tokens_written")
 
     def setup(self) -> None:
         # Once per worker: loading a 128k-entry tokenizer.json takes a while.
@@ -110,13 +125,85 @@ class TokenizeShardFn(beam.DoFn):
             )
         self.tokenizer = tokenizer_from_bytes(data, self.tokenizer_path)
 
-    def process(self, task: ShardTask) -> Iterator[ShardMarker]:
+
+class SelectHeldoutFn(_TokenizerFn):
+    """One file's share of its cell's held-out slice: (cell, SliceAccumulator). Memory: the accumulator
+    (at most the rule's max_tokens tokens and min_documents + 1 documents) and one batch of text."""
+
+    def __init__(self, tokenizer_path: str, info: TokenizerInfo, rule: HeldoutRule, batch_documents: int):
+        super().__init__(tokenizer_path, info, batch_documents)
+        self.rule = rule
+
+    def process(self, task: ShardTask) -> Iterator[tuple[str, SliceAccumulator]]:
+        yield task.cell, select_file(task, self.tokenizer, self.info, self.rule, self.batch_documents)
+
+
+class CombineSlicesFn(beam.CombineFn):
+    """Merges files' slice accumulators into the cell's, pruned after every merge (bounded, associative:
+    any merge order gives the same slice)."""
+
+    def __init__(self, rule: HeldoutRule) -> None:
+        self.rule = rule
+
+    def create_accumulator(self) -> SliceAccumulator:
+        return SliceAccumulator()
+
+    def add_input(self, accumulator: SliceAccumulator, value: SliceAccumulator) -> SliceAccumulator:
+        accumulator.merge(value)
+        accumulator.prune(self.rule)
+        return accumulator
+
+    def merge_accumulators(self, accumulators: Iterable[SliceAccumulator]) -> SliceAccumulator:
+        merged = SliceAccumulator()
+        for accumulator in accumulators:
+            merged.merge(accumulator)
+            merged.prune(self.rule)
+        return merged
+
+    def extract_output(self, accumulator: SliceAccumulator) -> SliceAccumulator:
+        return accumulator
+
+
+class TokenizeShardFn(_TokenizerFn):
+    """Tokenizes one shard task (or keeps its complete shard) and emits the shard's done marker; with
+    held-out slices, leaves its cell's slice out (the cells' slices come as a side input)."""
+
+    def __init__(
+        self,
+        output: str,
+        tokenizer_path: str,
+        info: TokenizerInfo,
+        batch_documents: int,
+        rule: HeldoutRule | None = None,
+        repeat_cap: int | None = None,
+    ) -> None:
+        super().__init__(tokenizer_path, info, batch_documents)
+        self.output = output
+        self.rule = rule
+        self.repeat_cap = repeat_cap
+        self.written = Metrics.counter(METRICS_NAMESPACE, "shards_written")
+        self.kept = Metrics.counter(METRICS_NAMESPACE, "shards_kept")
+        self.documents = Metrics.counter(METRICS_NAMESPACE, "documents_written")
+        self.tokens = Metrics.counter(METRICS_NAMESPACE, "tokens_written")
+
+    def process(
+        self, task: ShardTask, slices: dict[str, dict[str, Any]] | None = None
+    ) -> Iterator[ShardMarker]:
         def count(documents: int, tokens: int) -> None:
             self.documents.inc(documents)
             self.tokens.inc(tokens)
 
+        last = slices[task.cell]["last"] if slices is not None else None
         marker, written = process_shard(
-            task, self.output, self.tokenizer, self.info, self.batch_documents, on_batch=count
+            task,
+            self.output,
+            self.tokenizer,
+            self.info,
+            self.batch_documents,
+            on_batch=count,
+            heldout=self.rule,
+            heldout_last=last,
+            repeat_cap=self.repeat_cap,
         )
         (self.written if written else self.kept).inc()
         yield marker
@@ -136,6 +223,13 @@ def _write_cell_manifest(
     return write_manifest(output, cell, list(by_name.values()), info)
 
 
+def _write_cell_slice(
+    cell_slice: tuple[str, SliceAccumulator], output: str, info: TokenizerInfo, rule: HeldoutRule
+) -> tuple[str, dict[str, Any]]:
+    cell, accumulator = cell_slice
+    return cell, write_heldout(output, select(cell, accumulator, rule), info, rule)
+
+
 def build_pipeline(
     pipeline,
     tasks: list[ShardTask],
@@ -143,24 +237,48 @@ def build_pipeline(
     tokenizer_path: str,
     info: TokenizerInfo,
     batch_documents: int,
+    rule: HeldoutRule | None = None,
+    repeat_cap: int | None = None,
 ) -> None:
-    """Add the tokenize steps to a Beam pipeline."""
+    """Add the tokenize steps to a Beam pipeline (with held-out slices when `rule` is active; each document
+    written min(dup_cluster_size, `repeat_cap`) times when it is set)."""
     expected: dict[str, int] = defaultdict(int)
     for task in tasks:
         expected[task.cell] += 1
-    dofn = TokenizeShardFn(output, tokenizer_path, info, batch_documents)
-    (
-        pipeline
-        | "ShardTasks" >> beam.Create(tasks, reshuffle=False)
+    active = rule is not None and rule.active
+    task_list = pipeline | "ShardTasks" >> beam.Create(tasks, reshuffle=False)
+    dofn = TokenizeShardFn(
+        output, tokenizer_path, info, batch_documents, rule if active else None, repeat_cap
+    )
+    slices = None
+    if active:
+        assert rule is not None
+        slices = beam.pvalue.AsDict(
+            task_list
+            | "SpreadSelect" >> beam.Reshuffle()
+            | "SelectHeldout" >> beam.ParDo(SelectHeldoutFn(tokenizer_path, info, rule, batch_documents))
+            | "CombineSlices" >> beam.CombinePerKey(CombineSlicesFn(rule))
+            | "WriteHeldout" >> beam.Map(_write_cell_slice, output, info, rule)
+        )
+    spread = (
+        task_list
         # One shard per element on whichever worker is free: shards differ a lot in size.
         | "Spread" >> beam.Reshuffle()
-        | "Tokenize" >> beam.ParDo(dofn)
+    )
+    markers = spread | "Tokenize" >> (beam.ParDo(dofn, slices) if slices is not None else beam.ParDo(dofn))
+    cells = (
+        markers
         | "ByCell" >> beam.Map(lambda marker: (marker.cell, marker))
         | "GroupCells" >> beam.GroupByKey()
         | "WriteManifests" >> beam.Map(_write_cell_manifest, output, info, dict(expected))
         | "AllCells" >> beam.combiners.ToList()
-        | "WriteCounts" >> beam.Map(lambda cells: write_counts(output, cells, info).total_tokens)
     )
+    if slices is not None:
+        cells | "WriteCounts" >> beam.Map(
+            lambda cells, heldout: write_counts(output, cells, info, heldout, rule).total_tokens, slices
+        )
+    else:
+        cells | "WriteCounts" >> beam.Map(lambda cells: write_counts(output, cells, info).total_tokens)
 
 
 class ProgressMonitor:
@@ -240,9 +358,14 @@ class ProgressMonitor:
             self._thread.join()
 
 
-# What `tokenmill tokenize` writes below its output folder (docs/formats.md, "Token shards").
+# What `tokenmill tokenize` writes below its output folder (docs/formats.md, "Token shards"): counts.json
+# and, per cell, its shards and manifest and its held-out slice in heldout/.
 _TOKENIZE_FILE = re.compile(
-    r"^(?:counts\.json|domain=[^/]+/quality=[^/]+/(?:part-\d+\.(?:bin|idx|done\.json)|manifest\.json|"
+    r"^(?:counts\.json|domain=[^/]+/quality=[^/]+/(?:"
+    + HELDOUT_DIR
+    + r"/)?(?:part-\d+\.(?:bin|idx|done\.json|"
+    + BYTES_SUFFIX[1:]
+    + r")|manifest\.json|"
     + re.escape(storage.TEMPORARY_PREFIX)
     + r"[^/]*))$"
 )
@@ -254,18 +377,23 @@ def earlier_run_files(output: str) -> list[str]:
 
 
 def _describe(files: list[str]) -> str:
-    shards = sum(1 for name in files if name.endswith(".bin"))
+    slices = sum(1 for name in files if name.endswith(f"/{HELDOUT_DIR}/{MANIFEST}"))
+    shards = sum(1 for name in files if name.endswith(".bin") and f"/{HELDOUT_DIR}/" not in name)
     catalog = "counts.json, " if COUNTS in files else "no counts.json (unfinished), "
-    return f"{catalog}{shards} shards, {len(files)} files"
+    held = f", {slices} held-out slices" if slices else ""
+    return f"{catalog}{shards} shards{held}, {len(files)} files"
 
 
-def prepare_output(output: str, tasks: list[ShardTask], overwrite: bool, resume: bool) -> None:
+def prepare_output(
+    output: str, tasks: list[ShardTask], overwrite: bool, resume: bool, heldout: bool = False
+) -> None:
     """Make `output` ready for this run, or refuse it; on any filesystem, before the pipeline starts.
 
     An output that holds an earlier run is refused unless `overwrite` (delete every file of it first) or
     `resume` (keep the shards that prove complete and verified for this input and tokenizer, redo the
     rest). Resuming refuses files that this run would not write (shards of an earlier run with more
-    source files, cells no longer in the input), so no folder ever mixes two runs. The catalog
+    source files, cells no longer in the input, held-out slices when `heldout` is off), so no folder ever
+    mixes two runs. The catalog
     (counts.json, then the manifests) is removed before anything else: a tokens/ folder without
     counts.json is an unfinished run, and readers refuse it.
     """
@@ -283,10 +411,10 @@ def prepare_output(output: str, tasks: list[ShardTask], overwrite: bool, resume:
         for name in sorted(catalog, key=lambda name: name != COUNTS) + rest:
             storage.remove_file(storage.join(output, name))
         if storage.is_local(output):  # object stores have no folders to leave behind
-            for cell in sorted({name.rpartition("/")[0] for name in rest}):
-                for folder in (cell, cell.split("/", 1)[0]):
-                    with contextlib.suppress(OSError):  # not empty: it holds files that are not ours
-                        os.rmdir(os.path.join(storage.local_path(output), folder))
+            folders = {name.rsplit("/", i)[0] for name in rest for i in range(1, name.count("/") + 1)}
+            for folder in sorted(folders, key=lambda folder: (-folder.count("/"), folder)):  # deepest first
+                with contextlib.suppress(OSError):  # not empty: it holds files that are not ours
+                    os.rmdir(os.path.join(storage.local_path(output), folder))
         log.info("--overwrite: removed %d files of an earlier run from %s", len(earlier), output)
         return
     expected = {f"{task.cell}/{task.name}" for task in tasks}
@@ -295,6 +423,13 @@ def prepare_output(output: str, tasks: list[ShardTask], overwrite: bool, resume:
     for name in earlier:
         cell, _, base = name.rpartition("/")
         if name == COUNTS or base.startswith(storage.TEMPORARY_PREFIX):
+            continue
+        if cell.endswith("/" + HELDOUT_DIR):
+            # One slice per cell, as part-00000: stale when the cell is gone or slices are off.
+            if not heldout or cell[: -len(HELDOUT_DIR) - 1] not in cells:
+                stale.append(name)
+            elif base != MANIFEST and not base.startswith("part-00000."):
+                stale.append(name)
             continue
         if cell not in cells or (base != MANIFEST and f"{cell}/{base.split('.', 1)[0]}" not in expected):
             stale.append(name)
@@ -324,11 +459,16 @@ def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerI
             f"no curated Parquet files under {args.input} (expected domain=<d>/quality=<q>/*.parquet)"
         )
     output = args.output
+    rule: HeldoutRule | None = getattr(args, "heldout_rule", None)
     dry_run = bool(getattr(args, "dry_run", False))
     if not dry_run:  # a dry run builds the job and touches nothing
         storage.make_dirs(output)
         prepare_output(
-            output, tasks, bool(getattr(args, "overwrite", False)), bool(getattr(args, "resume", False))
+            output,
+            tasks,
+            bool(getattr(args, "overwrite", False)),
+            bool(getattr(args, "resume", False)),
+            heldout=rule is not None and rule.active,
         )
     log.info(
         "tokenize: %d shards in %d cells, tokenizer %s (%s, vocabulary %d, %s, end-of-text id %d)",
@@ -346,7 +486,14 @@ def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerI
     started = time.monotonic()
     pipeline = make_pipeline(args, "tokenize")
     build_pipeline(
-        pipeline, tasks, output, tokenizer_path, info, args.batch_documents or DEFAULT_BATCH_DOCUMENTS
+        pipeline,
+        tasks,
+        output,
+        tokenizer_path,
+        info,
+        args.batch_documents or DEFAULT_BATCH_DOCUMENTS,
+        rule,
+        getattr(args, "repeat_by_cluster_size", None),
     )
     monitor_every = args.progress_seconds if storage.is_local(output) and args.runner == "local" else 0
     with ProgressMonitor(output, tasks, info.dtype, monitor_every):
@@ -368,4 +515,7 @@ def run_tokenize(args: argparse.Namespace, tokenizer_path: str, info: TokenizerI
         counts = read_counts(storage.join(output, COUNTS))
         summary["documents"] = counts.total_documents
         summary["tokens"] = counts.total_tokens
+        summary["heldout_documents"] = counts.total_heldout_documents or 0
+        summary["heldout_tokens"] = counts.total_heldout_tokens or 0
+        summary["reserved_documents"] = sum(entry.reserved_documents or 0 for entry in counts.cells.values())
     return summary

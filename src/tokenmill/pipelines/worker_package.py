@@ -8,10 +8,11 @@ works the same from `pip install tokenmill`, from a wheel, and from an editable 
 tool, no network and no setup.py (a checkout path computed from a source file does not exist in an
 installed package).
 
-The wheel's requirements are the distribution's core requirements plus those of its `dataflow` extra
-(apache-beam[gcp], gcsfs), made unconditional: Beam installs an extra package without extras, and workers
-need gcsfs to read and write gs://. The `train` extra (jax, optax, orbax-checkpoint) stays optional, so
-workers never install the trainer.
+The wheel's requirements are the distribution's core requirements (which hold everything a curate or
+tokenize stage imports, gcsfs for gs:// included) plus those of its `dataflow` extra (apache-beam[gcp]),
+made unconditional: Beam installs an extra package without extras. The `train` extra (jax, optax,
+orbax-checkpoint) and the `dask` extra stay optional, so workers never install the trainer.
+tests/test_clean_install.py installs this wheel into a new environment, as a worker does, and curates.
 
 The wheel's bytes are a function of those files (entries sorted, timestamps fixed); it is written to a
 folder named by its sha256, so a relaunch of unchanged code reuses the same file.

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from tokenmill import storage
 from tokenmill.cells import parse_cell
 from tokenmill.errors import FormatError
+from tokenmill.formats.documents import CLUSTER_SIZE, cluster_size_bin
 from tokenmill.formats.rejected import RejectedRecord, read_rejected
 
 _PARTITION = re.compile(r"(?:^|/)(domain=[^/]+/quality=[^/]+)/[^/]+\.parquet$")
@@ -120,6 +121,11 @@ class CellScan:
     characters: int = 0
     sources: dict[str, SourceCount] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
+    #: Kept documents per duplicate-cluster size bin ("1", "2", ..., "5-8", ...; formats.documents), from
+    #: the `dup_cluster_size` column; empty for curated files written before it existed.
+    cluster_sizes: dict[str, int] = field(default_factory=dict)
+    #: The documents those clusters stand for: the sum of `dup_cluster_size` (0 without the column).
+    represented: int = 0
 
 
 def seeded_rng(seed: int, key: str) -> random.Random:
@@ -175,6 +181,8 @@ def scan_cell(cell: str, files: Sequence[str], *, samples: int, seed: int) -> Ce
         if missing:
             raise InputError(f"{path}: missing column(s) {', '.join(sorted(missing))} (see docs/formats.md)")
         table = parquet.read(columns=["source", "n_chars"])
+        if CLUSTER_SIZE in parquet.schema_arrow.names:
+            _count_cluster_sizes(scan, parquet.read(columns=[CLUSTER_SIZE]).column(CLUSTER_SIZE))
         grouped = table.group_by("source").aggregate(
             [("n_chars", "sum"), ("n_chars", "count", pc.CountOptions(mode="all"))]
         )
@@ -190,7 +198,22 @@ def scan_cell(cell: str, files: Sequence[str], *, samples: int, seed: int) -> Ce
         files, indices, ["id", "text", "source", "url", "n_chars", "quality_score", "language"]
     )
     scan.sources = dict(sorted(scan.sources.items()))
+    scan.cluster_sizes = dict(sorted(scan.cluster_sizes.items(), key=lambda item: _bin_start(item[0])))
     return scan
+
+
+def _bin_start(size_bin: str) -> int:
+    return int(size_bin.split("-", 1)[0])
+
+
+def _count_cluster_sizes(scan: CellScan, sizes: pa.ChunkedArray) -> None:
+    """Add one file's `dup_cluster_size` column to the cell's histogram (a null counts as 1)."""
+    counted = pc.value_counts(pc.fill_null(sizes, 1)).to_pylist()
+    for entry in counted:
+        size, count = int(entry["values"]), int(entry["counts"])
+        size_bin = cluster_size_bin(size)
+        scan.cluster_sizes[size_bin] = scan.cluster_sizes.get(size_bin, 0) + count
+        scan.represented += size * count
 
 
 @dataclass

@@ -28,7 +28,7 @@ from tokenmill.formats.domains import CARD as DOMAINS_CARD
 from tokenmill.formats.domains import DomainsCard, read_domains_card
 from tokenmill.formats.plan import MixturePlan
 from tokenmill.formats.stats import CurateStats, read_stats
-from tokenmill.formats.tokens import COUNTS, TokenCounts, read_counts
+from tokenmill.formats.tokens import COUNTS, CellCount, TokenCounts, read_counts
 from tokenmill.reports import svg
 from tokenmill.reports.inputs import (
     CellScan,
@@ -213,6 +213,30 @@ def _enrich(cards: list[dict[str, Any]], total_tokens: int) -> None:
             source["enrichment_text"] = "–" if enrichment is None else f"{enrichment:.2f}×"
 
 
+def _cluster_sizes(scan: CellScan) -> dict[str, Any]:
+    """A cell's duplicate-cluster sizes for the page: the histogram of `dup_cluster_size` (kept documents
+    per size bin), the documents they stand for, and one line of text ("1×950 · 2×30 · 5-8×3")."""
+    return {
+        "cluster_sizes": scan.cluster_sizes,
+        "represented": scan.represented,
+        "cluster_sizes_text": " · ".join(
+            f"{size_bin}×{count:,}" for size_bin, count in scan.cluster_sizes.items()
+        ),
+    }
+
+
+def _heldout(entry: CellCount | None) -> dict[str, Any]:
+    """A cell's held-out slice for the page (tokens and documents set aside for evaluation; counts.json's
+    `heldout_*`), or nothing where the tokens were made without held-out slices."""
+    if entry is None or entry.heldout_tokens is None:
+        return {"heldout_tokens": None, "heldout_text": "–"}
+    return {
+        "heldout_tokens": entry.heldout_tokens,
+        "heldout_documents": entry.heldout_documents,
+        "heldout_text": f"{format_count(entry.heldout_tokens)} ({entry.heldout_documents or 0:,} docs)",
+    }
+
+
 def build_overview(
     layout: CurateLayout,
     tokens_dir: str,
@@ -287,6 +311,8 @@ def build_overview(
                     "in_counts": count_entry is not None,
                     "in_curated": cell in scans,
                     "samples": [_sample(row, cell, options.preview_chars) for row in scan.samples],
+                    **_cluster_sizes(scan),
+                    **_heldout(count_entry),
                 }
             )
             heat_cells.append(
@@ -425,6 +451,8 @@ def build_overview(
                 "characters": q["characters"],
                 "manifest": q["manifest"] or None,
                 "samples": [s["id"] for s in q["samples"]],
+                "cluster_sizes": q["cluster_sizes"],
+                "represented_documents": q["represented"],
             }
             for card in cards
             for q in card["qualities"]

@@ -1,4 +1,5 @@
-"""The run page's content: curves from runs/<name>/metrics.jsonl and a summary of its config.json.
+"""The run page's content: curves from runs/<name>/metrics.jsonl, the evaluation records of its eval.jsonl
+(tokenmill.formats.evals) and a summary of its config.json.
 
 Metric keys are those fixed in docs/formats.md. Keys a run did not log (MFU on a CPU, router metrics in a
 dense model) give an empty chart rather than an error, so one page serves every kind of run.
@@ -16,6 +17,7 @@ from typing import Any
 
 from tokenmill import storage
 from tokenmill.errors import FormatError
+from tokenmill.formats.evals import EVAL, EvalRecord, parse_eval
 from tokenmill.formats.runs import CONFIG, LOG, METRICS, parse_metrics_line, read_run_record
 from tokenmill.reports import svg
 from tokenmill.reports.inputs import InputError, read_json_file
@@ -140,6 +142,10 @@ class RunInputs:
     metrics: bytes
     config: dict[str, Any] | None = None
     config_bytes: bytes | None = None
+    # eval.jsonl's records and bytes; None: read them from the run folder when the page is built (the live
+    # publisher hands over only the metrics, and the trainer appends evaluations as it goes).
+    evals: list[EvalRecord] | None = None
+    eval_bytes: bytes | None = None
 
 
 def read_run(run_dir: str) -> RunInputs:
@@ -160,7 +166,25 @@ def read_run(run_dir: str) -> RunInputs:
             config = read_run_record(config_path).to_json()
     except FormatError as error:
         raise InputError(str(error)) from error
-    return RunInputs(rows, metrics, config, config_bytes)
+    evals, eval_bytes = read_evals(run_dir)
+    return RunInputs(rows, metrics, config, config_bytes, evals, eval_bytes)
+
+
+def read_evals(run_dir: str) -> tuple[list[EvalRecord], bytes | None]:
+    """The run folder's evaluation records and the bytes they came from ([] and None without eval.jsonl).
+
+    Only whole lines count: a trainer may be appending the next evaluation point while the live page is
+    built, and its unfinished line waits for the next version. InputError names the file and line."""
+    path = storage.join(run_dir, EVAL)
+    if not storage.exists(path):
+        return [], None
+    with storage.open_file(path, "rb") as handle:
+        data = handle.read()
+    data = data[: data.rfind(b"\n") + 1]
+    try:
+        return parse_eval(data, path), data
+    except FormatError as error:
+        raise InputError(str(error)) from error
 
 
 def parse_metrics(data: bytes, origin: str, first_line: int = 1) -> list[Any]:
@@ -198,6 +222,9 @@ def build_run(
     rows, config = inputs.rows, inputs.config
     if not rows:
         raise InputError(f"{metrics_path}: no metrics logged")
+    evals, eval_bytes = inputs.evals, inputs.eval_bytes
+    if evals is None:
+        evals, eval_bytes = read_evals(run_dir)
     vlines = phase_lines(rows)
     step = svg.Axis("step")
     charts = []
@@ -335,10 +362,17 @@ def build_run(
     if ladder_path is None and storage.exists(storage.join(run_dir, "ladder.json")):
         ladder_path = storage.join(run_dir, "ladder.json")
     ladder = (
-        build_ladder(read_ladder(ladder_path), ladder_path, rows, config, run_dir) if ladder_path else None
+        build_ladder(read_ladder(ladder_path), ladder_path, rows, config, run_dir, evals)
+        if ladder_path
+        else None
     )
+    evaluation = build_evaluation(evals, all_rows, config, ladder)
+    if evaluation:
+        summary.extend(evaluation["summary"])
     log_lines = read_log_tail(storage.join(run_dir, LOG), LOG_COPY_LINES) if storage.is_local(run_dir) else []
     files = [(f"{DATA}/metrics.jsonl", inputs.metrics, "run metrics")]
+    if eval_bytes is not None:
+        files.append((f"{DATA}/{EVAL}", eval_bytes, "evaluation records"))
     if inputs.config_bytes is not None:
         files.append((f"{DATA}/config.json", inputs.config_bytes, "run config"))
     plan = (config or {}).get("plan")
@@ -359,10 +393,225 @@ def build_run(
         "metrics_path": metrics_path,
         "config_path": config_path if config is not None else None,
         "ladder": ladder,
+        "evaluation": evaluation,
         "follow": build_follow(all_rows, config, run_dir, live, log_lines),
         "hardware": build_hardware(rows, vlines),
         "live": live,
         "files": files,
+    }
+
+
+# --- evaluation (eval.jsonl, tokenmill.formats.evals; docs/reports.md, "Evaluation") ----------------------
+
+MEASURES = (("bits_per_byte", "bits per byte"), ("loss", "loss (nats per token)"))
+MAX_SET_SERIES = 12  # sets per chart; more sets are drawn over several charts, each with the average
+MARKED_POINTS = 60  # evaluation points drawn with markers, when a series has no more than this
+EVAL_CHART_POINTS = 400  # the most points a series of an evaluation chart draws (min/max decimated)
+AVERAGE_COLOR = "#111827"
+KINDS = (
+    # kind, chart title, the average drawn with the sets
+    ("heldout", "Held-out", "heldout_macro"),
+    ("external", "Evaluation sets", "macro"),
+)
+
+
+def eval_phase_lines(
+    rows: list[dict[str, Any]], records: list[EvalRecord]
+) -> tuple[list[svg.VLine], list[svg.VLine]]:
+    """Phase boundaries against step and against training tokens: the first metrics row of each phase
+    after the first (the evaluation records' phases when the metrics name none)."""
+    by_step, by_tokens = [], []
+    previous = rows[0].get("phase") if rows else None
+    for row in rows[1:]:
+        if row.get("phase") != previous:
+            by_step.append(svg.VLine(float(row["step"]), str(row.get("phase"))))
+            tokens = _number(row.get("tokens"))
+            if tokens is not None:
+                by_tokens.append(svg.VLine(tokens, str(row.get("phase"))))
+            previous = row.get("phase")
+    if by_step or not any(r.phase for r in records):
+        return by_step, by_tokens
+    points = sorted({(r.step, r.tokens_trained, r.phase) for r in records if r.phase}, key=lambda p: p[0])
+    for (_, _, before), (step, tokens, phase) in zip(points, points[1:]):
+        if phase != before:
+            by_step.append(svg.VLine(float(step), str(phase)))
+            if tokens is not None:
+                by_tokens.append(svg.VLine(float(tokens), str(phase)))
+    return by_step, by_tokens
+
+
+def build_evaluation(
+    records: list[EvalRecord],
+    rows: list[dict[str, Any]],
+    config: dict[str, Any] | None,
+    ladder: dict[str, Any] | None,
+) -> dict[str, Any] | None:
+    """The evaluation section: every set's bits per byte and loss against step and against training
+    tokens (held-out slices with their macro average, external sets with the macro average over every
+    set), dropless against capacity when the run evaluated both ways, and the latest point's table."""
+    if not records:
+        return None
+    _, _, per_step = _phases(config)
+
+    def tokens_of(record: EvalRecord) -> float | None:
+        if record.tokens_trained is not None:
+            return float(record.tokens_trained)
+        return float(record.step * per_step) if per_step else None
+
+    dispatches = [d for d in ("dropless", "capacity") if any(r.dispatch == d for r in records)]
+    main = dispatches[0]
+    by_key: dict[tuple[str, str], list[EvalRecord]] = {}
+    for record in records:  # read_eval's order: by step
+        by_key.setdefault((record.set, record.dispatch), []).append(record)
+    sets = {kind: sorted({r.set for r in records if r.kind == kind}) for kind, _, _ in KINDS}
+    step_lines, token_lines = eval_phase_lines(rows, records)
+    axes = (
+        ("step", svg.Axis("step (steps trained)"), lambda r: float(r.step), step_lines),
+        ("tokens", svg.Axis("training tokens"), tokens_of, token_lines),
+    )
+
+    def series(
+        name: str, measure: str, x_of: Callable, dispatch: str, label: str = "", **style
+    ) -> svg.Series:
+        points = [
+            (x, r.metric(measure)) for r in by_key.get((name, dispatch), []) if (x := x_of(r)) is not None
+        ]
+        # Markers show where the evaluations were; past a few dozen points they only add bytes.
+        return svg.Series(label or name, points, markers=len(points) <= MARKED_POINTS, **style)
+
+    charts = []
+    for kind, heading, average in KINDS:
+        names = sets[kind]
+        if not names:
+            continue
+        if average == "macro" and not sets["heldout"]:
+            average_label = "macro average"
+        elif average == "macro":
+            average_label = f"macro over all {len(sets['heldout']) + len(names)} sets"
+        else:
+            average_label = "held-out macro"
+        chunks = [names[i : i + MAX_SET_SERIES] for i in range(0, len(names), MAX_SET_SERIES)]
+        for measure, measure_label in MEASURES:
+            for axis_name, axis, x_of, lines in axes:
+                for index, chunk in enumerate(chunks):
+                    part = f", sets {index * MAX_SET_SERIES + 1}–{index * MAX_SET_SERIES + len(chunk)}"
+                    title = f"{heading} {measure_label.split(' (')[0]} by {axis_name}" + (
+                        part if len(chunks) > 1 else ""
+                    )
+                    drawn = [series(name, measure, x_of, main) for name in chunk]
+                    if (average, main) in by_key:
+                        drawn.append(
+                            series(
+                                average, measure, x_of, main, average_label, color=AVERAGE_COLOR, width=2.6
+                            )
+                        )
+                    charts.append(
+                        {
+                            "title": title,
+                            "kind": kind,
+                            "measure": measure,
+                            "axis": axis_name,
+                            "sets": list(chunk),
+                            "note": "",
+                            "svg": svg.line_chart(
+                                drawn,
+                                title=title,
+                                x=axis,
+                                y=svg.Axis(measure_label),
+                                vlines=lines,
+                                max_points=EVAL_CHART_POINTS,
+                            ),
+                        }
+                    )
+    if len(dispatches) > 1:
+        averages = [a for a in ("heldout_macro", "macro") if (a, main) in by_key]
+        for measure, measure_label in MEASURES:
+            title = f"Dropless and capacity {measure_label.split(' (')[0]}"
+            drawn = []
+            for index, average in enumerate(averages):
+                color = svg.category_color(index)
+                for dispatch in dispatches:
+                    drawn.append(
+                        series(
+                            average,
+                            measure,
+                            axes[0][2],
+                            dispatch,
+                            f"{average} {dispatch}",
+                            color=color,
+                            dashed=dispatch == "capacity",
+                        )
+                    )
+            charts.append(
+                {
+                    "title": title,
+                    "kind": "average",
+                    "measure": measure,
+                    "axis": "step",
+                    "sets": averages,
+                    "note": "The same sets evaluated without dropping (every token reaches its experts) and "
+                    "with the run's expert capacity (dashed): capacity-limited evaluation drops tokens of "
+                    "batches that crowd an expert and reads higher.",
+                    "svg": svg.line_chart(
+                        drawn,
+                        title=title,
+                        x=axes[0][1],
+                        y=svg.Axis(measure_label),
+                        vlines=step_lines,
+                        max_points=EVAL_CHART_POINTS,
+                    ),
+                }
+            )
+
+    last_step = max(r.step for r in records if r.dispatch == main)
+    steps = sorted({r.step for r in records if r.dispatch == main})
+    before = steps[-2] if len(steps) > 1 else None
+    at = {(r.set, r.dispatch): r for r in records if r.step == last_step}
+    previous = {r.set: r for r in records if r.step == before and r.dispatch == main}
+    order = [*sets["heldout"], *sets["external"], *(a for a in ("heldout_macro", "macro", "micro"))]
+    table = []
+    for name in order:
+        record = at.get((name, main))
+        if record is None:
+            continue
+        earlier = previous.get(name)
+        capacity = at.get((name, "capacity"))
+        table.append(
+            {
+                "set": name,
+                "kind": record.average if record.kind == "average" else record.kind,
+                "bits_per_byte": f"{record.bits_per_byte:.4f}",
+                "loss": f"{record.loss:.4f}",
+                "change": f"{record.bits_per_byte - earlier.bits_per_byte:+.4f}" if earlier else "–",
+                "tokens": format_count(record.tokens) if record.tokens is not None else "–",
+                "bytes": format_count(record.bytes) if record.bytes is not None else "–",
+                "capacity": f"{capacity.bits_per_byte:.4f}" if capacity else "–",
+            }
+        )
+    headline = at.get(("heldout_macro", main)) or at.get(("macro", main))
+    summary = [("evaluation points", f"{len(steps)} (last at step {last_step:,})")]
+    if headline is not None:
+        what = "held-out macro" if headline.set == "heldout_macro" else "macro"
+        summary.append(
+            (
+                f"last {what}",
+                f"{headline.bits_per_byte:.4f} bits per byte, loss {headline.loss:.4f} ({main})",
+            )
+        )
+    forecast = None
+    if ladder is not None:
+        forecast = ladder["metric"]["label"]
+    return {
+        "charts": charts,
+        "table": table,
+        "last_step": last_step,
+        "dispatch": main,
+        "dispatches": dispatches,
+        "has_capacity": "capacity" in dispatches,
+        "heldout": sets["heldout"],
+        "external": sets["external"],
+        "summary": summary,
+        "forecast_metric": forecast,
     }
 
 
@@ -382,7 +631,31 @@ def read_ladder(path: str) -> dict[str, Any]:
     missing = [key for key in LADDER_KEYS if key not in ladder]
     if missing:
         raise InputError(f"{path}: not a ladder fit (`tokenmill ladder fit` output): no {', '.join(missing)}")
+    metric = ladder.get("metric")
+    if metric is None:  # a fit from before ladder fits named their metric: training loss
+        ladder["metric"] = dict(TRAINING_LOSS)
+    elif not isinstance(metric, dict) or not all(isinstance(metric.get(k), str) for k in ("name", "label")):
+        raise InputError(f"{path}: metric: an object with the metric's name and label")
     return ladder
+
+
+TRAINING_LOSS = {"name": "loss", "label": "training loss", "source": "metrics.jsonl"}
+
+
+def _metric_series(
+    metric: dict[str, Any], rows: list[dict[str, Any]], evals: list[EvalRecord], name: str
+) -> svg.Series:
+    """The page's run's own curve of the ladder's metric: training loss from the metrics rows, an
+    evaluation set's (or average's) measure from eval.jsonl."""
+    if metric.get("source") != "eval.jsonl":
+        return _series(rows, "loss", name)
+    measure, dispatch = metric.get("measure") or "loss", metric.get("dispatch") or "dropless"
+    points = [
+        (float(r.step), r.metric(measure))
+        for r in evals
+        if r.set == metric.get("set") and r.dispatch == dispatch
+    ]
+    return svg.Series(name, points, markers=True)
 
 
 def _percent(fraction: float) -> str:
@@ -417,11 +690,19 @@ def _is_target(ladder: dict[str, Any], run_dir: str, rows: list[dict[str, Any]],
 
 
 def build_ladder(
-    ladder: dict[str, Any], ladder_path: str, rows: list[dict[str, Any]], config: Any, run_dir: str
+    ladder: dict[str, Any],
+    ladder_path: str,
+    rows: list[dict[str, Any]],
+    config: Any,
+    run_dir: str,
+    evals: list[EvalRecord] | None = None,
 ) -> dict[str, Any]:
-    """The forecast section of the run page: loss against compute (log-log), and the forecast against this
-    run when this run is the ladder's target."""
+    """The forecast section of the run page: the fitted metric (training loss, or an evaluation metric
+    such as the held-out macro bits per byte) against compute (log-log), and the forecast against this
+    run's own curve of that metric when this run is the ladder's target."""
     fit = ladder["fit"]
+    metric = ladder["metric"]
+    evaluated = metric.get("source") == "eval.jsonl"
     fractions = [float(f) for f in ladder["fractions"]]
     target = ladder["target"]
     target_flops = float(target["flops"])
@@ -488,22 +769,30 @@ def build_ladder(
                 width=1.0,
             )
         )
+    label = str(metric["label"])
+    compute_title = (
+        f"{label[:1].upper()}{label[1:]} against training compute"
+        if evaluated
+        else ("Loss against training compute")
+    )
     compute_chart = svg.line_chart(
         series,
-        title="Loss against training compute",
+        title=compute_title,
         # Room right of the target for its marker's label.
         x=svg.Axis("training FLOPs", log=True, high=target_flops * 1.8),
-        y=svg.Axis("loss", log=True),
+        y=svg.Axis(metric["label"], log=True),
         vlines=[svg.VLine(target_flops, "target")],
         height=300,
     )
     charts = [
         {
-            "title": "Loss against training compute",
+            "title": compute_title,
             "svg": compute_chart,
-            "note": "Each rung's smoothed loss at matched fractions of its training (points) and the fitted "
-            "L(C) = E + A_f C^-alpha for each fraction (lines), extended to the target's compute; the dashed "
-            f"lines are the {level} band of the final fraction's curve and the black bar the forecast.",
+            "note": f"Each rung's {metric['label']} at matched fractions of its training (points"
+            + ("" if evaluated else ", smoothed")
+            + ") and the fitted L(C) = E + A_f C^-alpha for each fraction (lines), extended to the target's "
+            f"compute; the dashed lines are the {level} band of the final fraction's curve and the black bar "
+            "the forecast.",
         }
     ]
 
@@ -514,11 +803,14 @@ def build_ladder(
             None,
         )
         if per_step:
+            # Metrics rows count steps from 0, evaluation records by steps trained.
+            offset = 0 if evaluated else 1
             bars = [
-                (float(f["flops"]) / per_step - 1, f["low"], f["loss"], f["high"]) for f in ladder["forecast"]
+                (float(f["flops"]) / per_step - offset, f["low"], f["loss"], f["high"])
+                for f in ladder["forecast"]
             ]
             run_series = [
-                _series(rows, "loss", "this run"),
+                _metric_series(metric, rows, evals or [], "this run"),
                 svg.Series(
                     f"forecast ({level} band)", _error_bars(bars), FORECAST_COLOR, markers=True, width=2.0
                 ),
@@ -526,7 +818,7 @@ def build_ladder(
             if actual:
                 run_series.append(
                     svg.Series(
-                        "smoothed at the same fractions",
+                        "at the same fractions" if evaluated else "smoothed at the same fractions",
                         [(float(a["step"]), float(a["loss"])) for a in actual],
                         ACTUAL_COLOR,
                         markers=True,
@@ -540,12 +832,13 @@ def build_ladder(
                         run_series,
                         title="Forecast against this run",
                         x=svg.Axis("step"),
-                        y=svg.Axis("loss"),
+                        y=svg.Axis(metric["label"]),
                         vlines=phase_lines(rows),
                         height=300,
                     ),
-                    "note": "This run is the ladder's target: its loss, the forecast at each fraction of its "
-                    "planned steps, and its own loss smoothed the way the rungs' were.",
+                    "note": f"This run is the ladder's target: its {metric['label']}, the forecast at each "
+                    "fraction of its planned steps, and its own value at the same fractions taken the way "
+                    "the rungs' were.",
                 }
             )
 
@@ -569,10 +862,11 @@ def build_ladder(
     name = target.get("name") or "the target"
     tokens = _number(target.get("tokens"))
     summary = [
+        ("metric", f"{metric['label']} ({metric['name']})"),
         ("target", f"{name}" + (f", {format_count(tokens)} tokens" if tokens else "")),
         ("target compute", f"{target_flops:.3e} FLOPs"),
         (
-            "forecast final loss",
+            f"forecast final {metric['label']}",
             f"{final['loss']:.4f} ({level} band {final['low']:.4f} – {final['high']:.4f})",
         ),
         ("rungs", f"{len(runs)} runs, {len(points)} points at " + ", ".join(_percent(f) for f in fractions)),
@@ -592,6 +886,7 @@ def build_ladder(
     ]
     return {
         "path": ladder_path,
+        "metric": metric,
         "summary": summary,
         "charts": charts,
         "forecast_rows": forecast_rows,
@@ -689,7 +984,7 @@ def _phases(config: dict[str, Any] | None) -> tuple[list[dict[str, Any]], int | 
     schedule = config.get("schedule") or {}
     total = schedule.get("total_steps")
     data = config.get("data") or {}
-    per_step = (data.get("batch_size") or 0) * (data.get("seq_len") or 0) or None
+    per_step = (data.get("batch_size") or 0) * (data.get("sequence_length") or 0) or None
     if not total:
         return [], None, per_step
     return [{"name": data.get("phase") or "pretraining", "start_step": 0, "end_step": total}], total, per_step

@@ -22,6 +22,7 @@ from typing import Any
 import jinja2
 
 from tokenmill import __version__, storage
+from tokenmill.formats.overview import checked_overview
 from tokenmill.formats.plan import MixturePlan
 from tokenmill.formats.tokens import COUNTS
 from tokenmill.reports.inputs import InputError, locate_curate_output
@@ -102,7 +103,7 @@ def render_run_page(
     run_page: dict[str, Any], *, title: str = "Data overview", has_overview: bool = True
 ) -> bytes:
     """run.html from `build_run`'s content: for `build_site`, and for the trainer's live publishing
-    (`tokenmill.trainer.publish`), which has no overview beside it until the final report."""
+    (`tokenmill.trainer.run.publish`), which has no overview beside it until the final report."""
     script = _asset("search.js")
     return (
         _environment()
@@ -208,7 +209,9 @@ def build_site(
     publish(
         "data/samples.jsonl", samples, "sample documents shown on the page (text cut to the preview)", "page"
     )
-    publish("data/overview.json", _json_bytes(overview["data"]), "the page's numbers", "page")
+    publish(
+        "data/overview.json", _json_bytes(checked_overview(overview["data"])), "the page's numbers", "page"
+    )
     if run_page:
         for relative, payload, label in run_page["files"]:
             publish(relative, payload, label, "run")

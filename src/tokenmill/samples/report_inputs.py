@@ -2,7 +2,8 @@
 and benchmarked without curate, tokenize, the planner or the trainer.
 
 `make_report_inputs` writes curate output (curated/, removed/, rejected/, stats.json), tokenize output
-(counts.json and a manifest per cell), a mixture plan and an earlier revision of it, and a run folder. It
+(counts.json and a manifest per cell), a mixture plan and an earlier revision of it, and a run folder
+(metrics.jsonl, config.json and eval.jsonl: each domain's held-out slice and an external set). It
 scales from a handful of cells to 200 cells and 10,000 samples for the benchmark. With `hostile=True` one
 small cell holds documents written to break a page: script tags, a closing textarea, `javascript:` URLs,
 broken HTML; the cell is small enough that every one of them is among its samples.
@@ -24,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokenmill.formats.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
+from tokenmill.formats.evals import EVAL, averages, eval_line, set_record
 
 BASE_DOMAINS = (
     "web",
@@ -246,6 +248,7 @@ def make_report_inputs(
     run = _write_run(
         root / "runs" / "fixture-run", plan, steps=steps, layers=layers, experts=experts, seed=seed
     )
+    write_eval(run, names, plan, steps=steps, seed=seed)
     return ReportInputs(
         root=root,
         curate=curate,
@@ -536,6 +539,51 @@ def _write_run(run: Path, plan: dict[str, Any], *, steps: int, layers: int, expe
     }
     (run / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return run
+
+
+EXTERNAL_SET = "paloma-c4"
+EVAL_EVERY = 50  # steps between the fixture run's evaluations (plus the phase boundary and the end)
+
+
+def write_eval(run: Path, domains: Sequence[str], plan: dict[str, Any], *, steps: int, seed: int) -> Path:
+    """The fixture run's eval.jsonl: each domain's held-out slice (`heldout/domain=<d>`) and one external
+    set, every EVAL_EVERY steps (about 40 times in a longer run), at the phase boundary and at the end,
+    dropless and with capacity, with the averages; written through tokenmill.formats.evals. Losses fall
+    as the run's training loss does, each set from its own level, so that every curve is distinct."""
+    rng = random.Random(seed + 2)
+    boundary = int(steps * 0.8)
+    every = max(EVAL_EVERY, steps // 40)  # a long run evaluates about 40 times
+    points = sorted({*range(every, steps + 1, every), boundary, steps})
+    sets = [(f"heldout/domain={d}", "heldout") for d in domains] + [(EXTERNAL_SET, "external")]
+    levels = {name: (2.4 + 0.35 * i, 3.6 + 0.3 * rng.random()) for i, (name, _) in enumerate(sets)}
+    lines = []
+    for step in points:
+        phase = "pretraining" if step < boundary else "midtraining"
+        for dispatch, inflation in (("dropless", 0.0), ("capacity", 0.07)):
+            records = []
+            for name, kind in sets:
+                floor, bytes_per_token = levels[name]
+                loss = floor + 6.0 * math.exp(-step / (steps / 6)) + inflation + rng.gauss(0, 0.01)
+                tokens = 4096
+                records.append(
+                    set_record(
+                        step=step,
+                        name=name,
+                        kind=kind,  # type: ignore[arg-type]
+                        nll_nats=loss * tokens,
+                        tokens=tokens,
+                        num_bytes=round(tokens * bytes_per_token),
+                        sequences=16,
+                        dispatch=dispatch,
+                        phase=phase,
+                        tokens_trained=step * plan["tokens_per_step"],
+                        drop_fraction=0.0 if dispatch == "dropless" else 0.02,
+                    )
+                )
+            lines.extend(eval_line(record) for record in [*records, *averages(records)])
+    path = run / EVAL
+    path.write_text("".join(lines))
+    return path
 
 
 def report_args(inputs: ReportInputs, output: Path, *extra: str, run: bool = True) -> list[str]:

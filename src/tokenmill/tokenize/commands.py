@@ -1,4 +1,5 @@
-"""Subcommands of the tokenize stage: `tokenmill tokenizer train|info` and `tokenmill tokenize`."""
+"""Subcommands of the tokenize stage that need no Beam: `tokenmill tokenizer train|info` and
+`tokenmill tokenize-eval`. `tokenmill tokenize` runs a Beam pipeline: tokenmill.pipelines.tokenize_command."""
 
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ DEFAULT_BATCH_DOCUMENTS = 512
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add this stage's subcommands to the `tokenmill` parser."""
-    from tokenmill.pipelines.options import add_runner_arguments
-
     tokenizer = subparsers.add_parser(
         "tokenizer",
         help="train or inspect a tokenizer",
@@ -69,71 +68,53 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     info.set_defaults(handler=_info)
 
-    tokenize = subparsers.add_parser(
-        "tokenize",
-        help="tokenize curated cells into token shards and tokens/counts.json",
+    evalset = subparsers.add_parser(
+        "tokenize-eval",
+        help="tokenize text you bring into a named evaluation set (tokens/eval/<name>/)",
         description=(
-            "Tokenize every curated cell (curated/domain=<d>/quality=<q>/*.parquet) with a Hugging Face "
-            "tokenizer.json: one token shard per Parquet file (part-<n>.bin/.idx, uint16 when the vocabulary "
-            "fits, else uint32, end-of-text after each document), a manifest.json per cell, then "
-            "tokens/counts.json. Resumable: a rerun with --resume keeps shards that are complete and "
-            "verified and redoes the rest; --overwrite starts over. See docs/tokenize.md."
+            "Read any text (JSON Lines, Parquet or WARC; plain, .gz or .zst; local or gs://) with curate's "
+            "readers, tokenize it as given with the run's tokenizer, and write a named evaluation set: "
+            "<output>/eval/<name>/part-<n>.bin/.idx/.bytes per input file, manifest.json, and rejected/ for "
+            "records that are not documents. A mixture names it under evaluation.sets. See docs/tokenize.md."
         ),
     )
-    tokenize.add_argument("--input", required=True, help="curated/ folder (output of `tokenmill curate`)")
-    tokenize.add_argument("--output", required=True, help="tokens/ folder to write")
-    tokenize.add_argument(
-        "--tokenizer",
-        required=True,
-        help="Hugging Face tokenizer.json (from `tokenmill tokenizer train`, or any other)",
+    evalset.add_argument("--name", required=True, help="the set's name, e.g. paloma-c4")
+    evalset.add_argument(
+        "--input", required=True, nargs="+", help="input files or globs (local or gs://)", metavar="PATTERN"
     )
-    tokenize.add_argument(
-        "--tokenizer-name",
-        help="name recorded in manifests (default: from the tokenizer's "
-        ".meta.json, else the file or folder name)",
+    evalset.add_argument(
+        "--output", required=True, help="the run's tokens/ folder (the set goes to eval/<name>)"
     )
-    tokenize.add_argument(
-        "--eos-token",
-        help="end-of-text token (default: the first of <|endoftext|>, "
-        "<|end_of_text|>, </s>, <eos>, <|eos|> that the tokenizer has)",
+    evalset.add_argument("--tokenizer", required=True, help="the run's tokenizer.json")
+    evalset.add_argument("--tokenizer-name", help="name recorded in the manifest (as for tokenize)")
+    evalset.add_argument("--eos-token", help="end-of-text token (as for tokenize)")
+    evalset.add_argument("--text-field", default="text", help="field holding the text (default text)")
+    evalset.add_argument(
+        "--id-field", default="id", help="field holding the id (default id; 'none': line numbers)"
     )
-    tokenize.add_argument(
+    evalset.add_argument(
         "--batch-documents",
         type=int,
         default=DEFAULT_BATCH_DOCUMENTS,
         help=f"documents per encode_batch call (default {DEFAULT_BATCH_DOCUMENTS})",
     )
-    tokenize.add_argument(
-        "--progress-seconds",
-        type=float,
-        default=30.0,
-        help="seconds between progress lines on a local run (0: none; default 30)",
+    evalset.add_argument(
+        "--max-record-bytes",
+        default="64MiB",
+        help="a record longer than this is rejected as record_too_large (default 64MiB, as curate)",
     )
-    rerun = tokenize.add_mutually_exclusive_group()
-    rerun.add_argument(
-        "--resume",
-        action="store_true",
-        help="finish or redo an earlier run in --output: keep its shards that are complete and verified for "
-        "this input and tokenizer, tokenize the rest (refused if it holds shards this run would not write)",
+    rerun_eval = evalset.add_mutually_exclusive_group()
+    rerun_eval.add_argument(
+        "--resume", action="store_true", help="keep the set's complete, verified shards and redo the rest"
     )
-    rerun.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete an earlier run's files in --output (counts.json, cell folders' shards, markers, "
-        "manifests) before this run; without --resume or --overwrite such a folder is refused",
+    rerun_eval.add_argument(
+        "--overwrite", action="store_true", help="delete an earlier set of this name first"
     )
-    add_runner_arguments(tokenize)
-    for action in tokenize._actions:
-        if action.dest == "workers":
-            # Tokenize's own default (tokenmill.pipelines.tokenize.default_local_workers).
-            action.help = (
-                "local worker processes (default: one per 8 cores, at most one per shard: each worker's "
-                "encode_batch already uses every core); on Dataflow, --num_workers"
-            )
-    tokenize.set_defaults(handler=_tokenize)
+    evalset.set_defaults(handler=_tokenize_eval)
 
 
-def _load(path: str, name: str | None, eos_token: str | None):
+def load_command_tokenizer(path: str, name: str | None, eos_token: str | None):
+    """(tokenizers.Tokenizer, TokenizerInfo) of a command's --tokenizer; a bad file is a UsageError."""
     from tokenmill.errors import UsageError
     from tokenmill.tokenize.tokenizer import TokenizerError, load_tokenizer
 
@@ -144,7 +125,7 @@ def _load(path: str, name: str | None, eos_token: str | None):
 
 
 def _info(args: argparse.Namespace) -> int:
-    _, info = _load(args.path, None, args.eos_token)
+    _, info = load_command_tokenizer(args.path, None, args.eos_token)
     record = {
         **info.manifest_entry(),
         "eos_id": info.eos_id,
@@ -223,44 +204,64 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokenize(args: argparse.Namespace) -> int:
+def _tokenize_eval(args: argparse.Namespace) -> int:
+    from tokenmill.corpora.paths import expand_inputs, input_root
+    from tokenmill.corpora.records import DuplicateIdError, InputFields
     from tokenmill.errors import UsageError
+    from tokenmill.tokenize.evalsets import EvalSetError, make_eval_set, set_folder
+    from tokenmill.units import parse_byte_size
 
-    if args.runner == "dataflow":
-        local = [flag for flag in ("input", "output", "tokenizer") if storage.is_local(getattr(args, flag))]
-        if local:
-            raise UsageError(
-                "--runner dataflow reads and writes through cloud storage: give gs:// paths for "
-                + ", ".join(f"--{flag}" for flag in local)
-            )
-    elif not storage.exists(args.input):
-        raise UsageError(f"input not found: {args.input}")
     if args.batch_documents <= 0:
         raise UsageError("--batch-documents must be positive")
-    _, info = _load(args.tokenizer, args.tokenizer_name, args.eos_token)
+    try:
+        max_record_bytes = parse_byte_size(args.max_record_bytes)
+    except ValueError as error:
+        raise UsageError(f"--max-record-bytes: {error}") from None
+    tokenizer, info = load_command_tokenizer(args.tokenizer, args.tokenizer_name, args.eos_token)
+    inputs = expand_inputs(args.input)
+    fields = InputFields(text=args.text_field, id=None if args.id_field == "none" else args.id_field)
+    started = time.monotonic()
 
-    from tokenmill.pipelines.tokenize import TokenizeError, run_tokenize
+    def progress(marker, written: bool) -> None:
+        how = "tokenized" if written else "kept"
+        rejected = sum(marker.rejected.values())
+        log.info(
+            "%s %s: %s documents, %s tokens%s",
+            how,
+            marker.source_files[0],
+            f"{marker.documents:,}",
+            f"{marker.tokens:,}",
+            f", {rejected:,} rejected" if rejected else "",
+        )
 
     try:
-        summary = run_tokenize(args, args.tokenizer, info)
-    except TokenizeError as error:
-        raise UsageError(str(error)) from error
-    if getattr(args, "dry_run", False):
-        print("dry run: the job graph was built and validated, nothing was submitted")
-        return 0
-    written = summary.get("shards_written", 0)
-    kept = summary.get("shards_kept", 0)
-    seconds = summary["seconds"]
-    new_tokens = summary.get("tokens_written", 0)
+        manifest = make_eval_set(
+            args.name,
+            inputs,
+            input_root(args.input),
+            args.output,
+            tokenizer,
+            info,
+            fields,
+            overwrite=args.overwrite,
+            resume=args.resume,
+            batch_documents=args.batch_documents,
+            max_record_bytes=max_record_bytes,
+            on_file=progress,
+        )
+    except (EvalSetError, DuplicateIdError) as error:
+        raise UsageError(str(error)) from None
+    rejected = sum((manifest.rejected or {}).values())
     print(
-        f"tokenized {summary['cells']} cells, {summary['shards']} shards ({written} written, {kept} kept "
-        f"as complete): {summary['documents']:,} documents, {summary['tokens']:,} tokens "
-        f"({format_count(summary['tokens'])})"
+        f"evaluation set {manifest.name}: {manifest.documents:,} documents, {manifest.tokens:,} tokens "
+        f"({format_count(manifest.tokens)}), {manifest.bytes:,} UTF-8 bytes from {len(inputs)} files in "
+        f"{time.monotonic() - started:.1f} s; tokenizer {info.name} (sha256 {info.sha256[:12]}…)"
     )
-    rate = new_tokens / max(seconds, 1e-9)
-    print(
-        f"{new_tokens:,} tokens written in {seconds:.1f} s ({rate:,.0f} tokens/s); "
-        f"tokenizer {info.name} (sha256 {info.sha256[:12]}…), {info.dtype}, end-of-text {info.eos_id}"
-    )
-    print(f"catalog: {storage.join(args.output, 'counts.json')}")
+    if rejected:
+        kinds = ", ".join(f"{kind} {count:,}" for kind, count in (manifest.rejected or {}).items())
+        print(
+            f"rejected {rejected:,} records ({kinds}): "
+            f"{storage.join(set_folder(args.output, args.name), 'rejected')}"
+        )
+    print(f"manifest: {storage.join(set_folder(args.output, args.name), 'manifest.json')}")
     return 0

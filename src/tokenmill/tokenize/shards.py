@@ -2,7 +2,8 @@
 
 Layout (docs/formats.md, "Token shards"): per cell, `part-<n>.bin` (token ids, documents each followed by
 end-of-text), `part-<n>.idx` (uint64 end offset of each document), `manifest.json`; `tokens/counts.json`
-over all cells. `TokenShards` opens one cell, `TokenCatalog` the whole folder through counts.json.
+over all cells. `TokenShards` opens one cell, `TokenCatalog` the whole folder through counts.json;
+`EvalShards` opens an evaluation set (a cell's `heldout/` slice, or `eval/<name>/`) with its `.bytes`.
 
 Reading fails fast: a manifest or counts.json that breaks its format (tokenmill.formats.tokens reads
 them), shards made with another tokenizer than the caller expects, a missing or wrongly sized file, or
@@ -23,12 +24,16 @@ import numpy as np
 from tokenmill import storage
 from tokenmill.errors import FormatError
 from tokenmill.formats.tokens import (
+    BYTES_SUFFIX,
     COUNTS,
+    EVAL_DIR,
     MANIFEST,
     CellManifest,
+    EvalManifest,
     TokenCounts,
     TokenizerEntry,
     read_counts,
+    read_eval_manifest,
     read_manifest,
 )
 
@@ -108,12 +113,12 @@ class TokenShards:
                 f"{manifest_path}: missing (not a token cell, or its tokenize run did not finish)"
             )
         try:
-            self.manifest: CellManifest = read_manifest(manifest_path)
+            self.manifest = self._read_manifest(manifest_path)
         except FormatError as error:
             raise ShardError(str(error)) from error
         tokenizer = self.manifest.tokenizer
         check_tokenizer(tokenizer.sha256, expected_tokenizer_sha256, manifest_path, tokenizer.name)
-        self.cell: str = self.manifest.cell
+        self.cell: str = self._name()
         self.dtype: np.dtype = DTYPES[self.manifest.dtype]
         self.eos_id: int = self.manifest.eos_id
         self.tokenizer_sha256: str = tokenizer.sha256
@@ -146,6 +151,14 @@ class TokenShards:
         if verify:
             self.verify()
 
+    _CHECKED = ((".bin", "bin_sha256"), (".idx", "idx_sha256"))
+
+    def _read_manifest(self, path: str) -> CellManifest | EvalManifest:
+        return read_manifest(path)
+
+    def _name(self) -> str:
+        return self.manifest.cell
+
     def _file(self, shard: dict[str, Any], suffix: str) -> str:
         return os.path.join(self.path, shard["name"] + suffix)
 
@@ -156,7 +169,7 @@ class TokenShards:
         """
         checked = 0
         for shard in self.shards:
-            for suffix, key in ((".bin", "bin_sha256"), (".idx", "idx_sha256")):
+            for suffix, key in self._CHECKED:
                 path = self._file(shard, suffix)
                 actual = storage.file_sha256(path, _HASH_CHUNK)
                 if actual != shard[key]:
@@ -214,6 +227,56 @@ class TokenShards:
     def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(self.num_documents):
             yield self.document(i)
+
+
+class EvalShards(TokenShards):
+    """An evaluation set, memory-mapped: a cell's held-out slice (`tokens/<cell>/heldout`) or an external
+    set (`tokens/eval/<name>`). As `TokenShards`, plus each document's UTF-8 bytes (the `.bytes` files),
+    for exact bits per byte: `num_bytes`, `document_bytes(i)`, `bytes_between(first, stop)`.
+    """
+
+    _CHECKED = (*TokenShards._CHECKED, (BYTES_SUFFIX, "bytes_sha256"))
+
+    def __init__(self, path: str, expected_tokenizer_sha256: str | None = None, verify: bool = False) -> None:
+        super().__init__(path, expected_tokenizer_sha256, verify=False)
+        self.name: str = self.manifest.name
+        self.kind: str = self.manifest.kind
+        self._sizes = [
+            _map(self._file(shard, BYTES_SUFFIX), INDEX_DTYPE, int(shard["documents"]))
+            for shard in self.shards
+        ]
+        sizes = np.concatenate([np.asarray(s, dtype=np.int64) for s in self._sizes]) if self._sizes else None
+        self._byte_starts = np.concatenate([[0], np.cumsum(sizes)]) if sizes is not None else np.zeros(1, int)
+        self.num_bytes = int(self._byte_starts[-1])
+        if self.num_bytes != self.manifest.bytes:
+            raise ShardChecksumError(
+                f"{os.path.join(self.path, MANIFEST)}: its .bytes files sum to {self.num_bytes}, but the "
+                f"manifest says {self.manifest.bytes}"
+            )
+        if verify:
+            self.verify()
+
+    def __repr__(self) -> str:
+        return (
+            f"EvalShards({self.path!r}: {self.kind} {self.name}, {self.num_documents} documents, "
+            f"{self.num_tokens} tokens, {self.num_bytes} bytes)"
+        )
+
+    def _read_manifest(self, path: str) -> EvalManifest:
+        return read_eval_manifest(path)
+
+    def _name(self) -> str:
+        return self.manifest.name
+
+    def document_bytes(self, i: int) -> int:
+        """UTF-8 bytes of document i's text."""
+        return self.bytes_between(i, i + 1)
+
+    def bytes_between(self, first: int, stop: int) -> int:
+        """UTF-8 bytes of documents [first, stop)."""
+        if not 0 <= first <= stop <= self.num_documents:
+            raise IndexError(f"documents [{first}, {stop}) out of range: the set has {self.num_documents}")
+        return int(self._byte_starts[stop] - self._byte_starts[first])
 
 
 class TokenCatalog:
@@ -277,3 +340,35 @@ class TokenCatalog:
                 )
             self._open[cell] = shards
         return self._open[cell]
+
+    def heldout(self, cell: str) -> EvalShards:
+        """The cell's held-out slice (`<cell>/heldout`), checked against counts.json and its tokenizer."""
+        if cell not in self.counts.cells:
+            raise KeyError(f"{cell!r} is not in {os.path.join(self.path, COUNTS)}")
+        relative = self.counts.heldout_manifest_path(cell)
+        if relative is None:
+            raise ShardError(
+                f"{os.path.join(self.path, COUNTS)}: made without held-out slices (--heldout-fraction 0, or "
+                "by a tokenize that predates them)"
+            )
+        shards = EvalShards(
+            os.path.dirname(os.path.join(self.path, relative)),
+            expected_tokenizer_sha256=self.tokenizer_sha256,
+            verify=self._verify,
+        )
+        entry = self.counts.cells[cell]
+        if shards.num_tokens != entry.heldout_tokens or shards.num_documents != entry.heldout_documents:
+            raise ShardError(
+                f"{os.path.join(self.path, COUNTS)}: lists {entry.heldout_tokens} held-out tokens / "
+                f"{entry.heldout_documents} documents for {cell}, but {relative} has "
+                f"{shards.num_tokens} / {shards.num_documents}"
+            )
+        return shards
+
+    def eval_set(self, name: str) -> EvalShards:
+        """The external evaluation set `eval/<name>` (from `tokenmill tokenize-eval`), same tokenizer."""
+        return EvalShards(
+            os.path.join(self.path, EVAL_DIR, name),
+            expected_tokenizer_sha256=self.tokenizer_sha256,
+            verify=self._verify,
+        )

@@ -2,7 +2,8 @@
 
   spec  configs/ladders/*.yaml: the rungs' model shapes, the target, the big mixture, the tokens rule
   plan  each rung's tokens, steps, compute, optimizer and mixture slice (`tokenmill ladder plan`)
-  runs  the trained rungs' metrics.jsonl and config.json, smoothed losses at matched fractions
+  metric  which logged metric a fit fits (training loss, or an evaluation of eval.jsonl), by name
+  runs  the trained rungs' metrics.jsonl, eval.jsonl and config.json, their metric at matched fractions
   fit   L(C) = E + A*C^-alpha over the rungs and the target's forecast with a band (`tokenmill ladder fit`)
 
 docs/ladder.md explains the choices. Nothing here imports JAX.
@@ -18,12 +19,14 @@ from tokenmill.trainer.ladder.fit import (
     fit_ladder,
     fit_power_law,
 )
+from tokenmill.trainer.ladder.metric import Metric, choose_metric, parse_metric
 from tokenmill.trainer.ladder.plan import plan_ladder, target_from_model, target_of
 from tokenmill.trainer.ladder.runs import (
     DEFAULT_FRACTIONS,
     DEFAULT_WINDOW,
     Point,
     RunCurve,
+    evaluated_points,
     matched_points,
     read_run,
     smoothed_loss,
@@ -42,13 +45,17 @@ __all__ = [
     "Ladder",
     "LadderError",
     "LadderSpec",
+    "Metric",
     "Point",
     "RunCurve",
+    "choose_metric",
+    "evaluated_points",
     "fit_fixed_asymptote",
     "fit_ladder",
     "fit_power_law",
     "load_ladder",
     "matched_points",
+    "parse_metric",
     "plan_ladder",
     "read_run",
     "smoothed_loss",

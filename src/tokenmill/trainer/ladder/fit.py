@@ -8,8 +8,10 @@ Two procedures:
   alpha_f fitted separately at every 5% of training, a straight line in log(L - E) against log C, C being
   Marin's forecast compute (no head, full-span attention).
 
-Both forecast the target's loss at the same fractions of its compute, with a band from a parametric
-bootstrap. docs/ladder.md explains the choices.
+Both fit any logged metric (tokenmill.trainer.ladder.metric): by default the held-out macro bits per
+byte (Marin's: the held-out macro loss) where the runs evaluate, the training loss otherwise; ladder.json
+names it. Both forecast the target's value at the same fractions of its compute, with a band from a
+parametric bootstrap. docs/ladder.md explains the choices.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.trainer.ladder.metric import TRAINING_LOSS, Metric, choose_metric
 from tokenmill.trainer.ladder.runs import DEFAULT_FRACTIONS, DEFAULT_WINDOW, Point, RunCurve, matched_points
 from tokenmill.trainer.ladder.spec import FORMAT_VERSION, LadderError
 
@@ -149,14 +152,71 @@ def fit_ladder(
     target_run: RunCurve | None = None,
     procedure: str = "shared",
     asymptote: float = MARIN_ASYMPTOTE,
+    metric: str | None = None,
 ) -> dict[str, Any]:
     """Fit the ladder and forecast the target: the ladder.json document (docs/ladder.md).
 
     procedure: "shared" (E and alpha shared by all fractions, fitted) or "marin" (E fixed at `asymptote`,
     A and alpha fitted separately at each fraction). fractions and window default to the procedure's.
+    metric: the logged metric to fit, by name (tokenmill.trainer.ladder.metric); None: the procedure's
+    held-out macro metric when every run has it, else the training loss.
     """
     if procedure not in PROCEDURES:
         raise LadderError(f"unknown procedure {procedure!r} ({' or '.join(PROCEDURES)})")
+    chosen, why = choose_metric(metric, procedure, {run.path: run.evals for run in runs})
+    if metric is None and chosen.evaluated:
+        chosen, why = _dense_enough(runs, chosen, why, procedure, fractions, window)
+    result = _fit(
+        runs, target, fractions, window, bootstrap, seed, level, target_run, procedure, asymptote, chosen
+    )
+    result["metric"] = chosen.to_json(why)
+    return result
+
+
+def _dense_enough(
+    runs: list[RunCurve],
+    chosen: Metric,
+    why: str,
+    procedure: str,
+    fractions: tuple[float, ...] | None,
+    window: float | None,
+) -> tuple[Metric, str]:
+    """The default evaluation metric if every run evaluated it at every fraction where its training loss
+    has a point, else the training loss, saying which runs evaluated too rarely (a fit of the end points
+    alone would be a different fit from the one asked for)."""
+    marin = procedure == "marin"
+    fractions = fractions or (MARIN_FRACTIONS if marin else DEFAULT_FRACTIONS)
+    window = window if window is not None else (MARIN_WINDOW if marin else DEFAULT_WINDOW)
+    if not all(0 < f <= 1 for f in fractions):
+        return chosen, why  # the fit says what is wrong with them
+    sparse = [
+        run.path
+        for run in runs
+        if len(matched_points(run, fractions, window, metric=chosen)[0])
+        < len(matched_points(run, fractions, window)[0])
+    ]
+    if not sparse:
+        return chosen, why
+    return Metric(TRAINING_LOSS), (
+        f"default: {', '.join(sparse)} evaluated {chosen.name} less often than the fractions need (within "
+        f"{window:.0%} of the planned steps before each), so every run is fitted on training loss (give "
+        f"--metric {chosen.name} to fit the evaluations there are)"
+    )
+
+
+def _fit(  # fit_ladder's work, once the metric is chosen
+    runs: list[RunCurve],
+    target: dict[str, Any],
+    fractions: tuple[float, ...] | None,
+    window: float | None,
+    bootstrap: int,
+    seed: int,
+    level: float,
+    target_run: RunCurve | None,
+    procedure: str,
+    asymptote: float,
+    metric: Metric,
+) -> dict[str, Any]:
     marin = procedure == "marin"
     fractions = fractions or (MARIN_FRACTIONS if marin else DEFAULT_FRACTIONS)
     window = window if window is not None else (MARIN_WINDOW if marin else DEFAULT_WINDOW)
@@ -172,11 +232,13 @@ def fit_ladder(
         raise LadderError(f"fractions must be in (0, 1], got {', '.join(map(str, fractions)) or 'none'}")
     fractions = tuple(sorted(set(fractions)))
     if marin:
-        return _fit_marin(runs, target, fractions, window, bootstrap, seed, level, target_run, asymptote)
+        return _fit_marin(
+            runs, target, fractions, window, bootstrap, seed, level, target_run, asymptote, metric
+        )
     points: list[Point] = []
     warnings: list[str] = []
     for run in runs:
-        got, missing = matched_points(run, fractions, window)
+        got, missing = matched_points(run, fractions, window, metric=metric)
         points += got
         warnings += missing
     used = [f for f in fractions if any(p.fraction == f for p in points)]
@@ -297,7 +359,7 @@ def fit_ladder(
     }
     result["final"] = dict(result["forecast"][-1])
     if target_run is not None:
-        actual, missing = matched_points(target_run, tuple(used), window)
+        actual, missing = matched_points(target_run, tuple(used), window, metric=metric)
         result["target"]["run"] = target_run.path
         result["actual"] = [
             {"fraction": p.fraction, "step": p.step, "flops": p.flops, "loss": p.loss, "loss_se": p.loss_se}
@@ -332,6 +394,7 @@ def _fit_marin(
     level: float,
     target_run: RunCurve | None,
     asymptote: float,
+    metric: Metric,
 ) -> dict[str, Any]:
     """Marin's forecast (plot_scaling_ladder.py): at every fraction f, L = E + A_f * C^-alpha_f through the
     rungs' points with E fixed, C Marin's forecast compute; the target's loss at f is the law at f x its C.
@@ -347,16 +410,21 @@ def _fit_marin(
         warnings.append(
             f"no model to price Marin's compute in {unpriced}: the fit uses the trainer's FLOPs instead"
         )
+    if metric.measure != "loss" and asymptote == MARIN_ASYMPTOTE:
+        warnings.append(
+            f"the fixed asymptote {asymptote:g} is Marin's, a loss in nats; {metric.label} is on another "
+            "scale (give --asymptote in its units)"
+        )
     points: list[Point] = []
     for run in runs:
-        got, missing = matched_points(run, fractions, window, convention)
+        got, missing = matched_points(run, fractions, window, convention, metric)
         points += got
         warnings += missing
     low_points = [p for p in points if p.loss <= asymptote]
     for p in low_points:
         warnings.append(
-            f"{p.run}: loss {p.loss:.4f} at {p.fraction:.0%} is not above the asymptote {asymptote:g}; "
-            "that point is left out"
+            f"{p.run}: {metric.label} {p.loss:.4f} at {p.fraction:.0%} is not above the asymptote "
+            f"{asymptote:g}; that point is left out"
         )
     points = [p for p in points if p.loss > asymptote]
     by_fraction = {f: [p for p in points if p.fraction == f] for f in fractions}
@@ -365,9 +433,13 @@ def _fit_marin(
         if f not in used:
             warnings.append(f"fewer than 2 runs have a point at {f:.0%}: no law there")
     if not used:
-        raise LadderError(
-            "too few points to fit: no fraction has points from 2 runs; train the rungs further"
-        )
+        why = "train the rungs further"
+        if low_points:
+            why = (
+                f"{len(low_points)} points of {metric.label} are not above the asymptote {asymptote:g} "
+                "(give --asymptote below them" + (", or fit a loss" if metric.measure != "loss" else "") + ")"
+            )
+        raise LadderError(f"too few points to fit: no fraction has points from 2 runs; {why}")
     if used[-1] != fractions[-1]:
         warnings.append(f"the forecast stops at {used[-1]:.0%}: no law at {fractions[-1]:.0%}")
 
@@ -497,7 +569,7 @@ def _fit_marin(
     }
     result["final"] = dict(forecast[-1])
     if target_run is not None:
-        actual, missing = matched_points(target_run, tuple(used), window, convention)
+        actual, missing = matched_points(target_run, tuple(used), window, convention, metric)
         result["target"]["run"] = target_run.path
         result["actual"] = [
             {"fraction": p.fraction, "step": p.step, "flops": p.flops, "loss": p.loss, "loss_se": p.loss_se}

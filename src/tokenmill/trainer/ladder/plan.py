@@ -4,7 +4,7 @@ forecast C and the trainer's FLOPs, flops.py), the optimizer settings Marin's he
 family), and its mixture as a `slice_of` the big one, so that every source repeats as often as in the big
 run (simulated epoching, docs/mixtures.md). A rung's batch may be given in racks of `sequences_per_rack`
 sequences. The slices are built as mixture specs (objects), validated by the mixture planner, and written
-as RUNG.yaml for `tokenmill train --mixture`.
+as RUNG.yaml for `tokenmill train --data.mixture`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 
 from tokenmill.mixtures.spec import MixtureSpec, mixture_from_spec
-from tokenmill.trainer.config import ModelConfig
-from tokenmill.trainer.flops import count_params, flops_per_token, forecast_flops_per_token
-from tokenmill.trainer.heuristic import MAY_RECIPE, is_marin_family, warmup_steps_for
 from tokenmill.trainer.ladder.spec import FORMAT_VERSION, Ladder, LadderError, racks_batch, read_model
+from tokenmill.trainer.model.flops import count_params, flops_per_token, forecast_flops_per_token
+from tokenmill.trainer.model.shape import ModelConfig
+from tokenmill.trainer.run.heuristic import MAY_RECIPE, is_marin_family, warmup_steps_for
 from tokenmill.units import format_count
 
 # ---------------------------------------------------------------------------------------------------------
@@ -37,7 +37,7 @@ def target_of(ladder: Ladder) -> dict[str, Any]:
     spec = ladder.spec
     cfg = read_model(ladder.target_model)
     tokens = spec.target.tokens
-    seq_len = spec.target.sequence_length
+    sequence_length = spec.target.sequence_length
     batch = racks_batch(spec, spec.target.racks)
     steps = None
     warnings = []
@@ -45,7 +45,7 @@ def target_of(ladder: Ladder) -> dict[str, Any]:
         mixture = load_mixture(ladder.mixture)
     except MixtureError as error:
         raise LadderError(f"{ladder.file}: mixture: {error}") from error
-    seq_len = seq_len or mixture.sequence_length
+    sequence_length = sequence_length or mixture.sequence_length
     if tokens is None:
         if mixture.total_steps is not None:
             steps = mixture.total_steps
@@ -57,11 +57,14 @@ def target_of(ladder: Ladder) -> dict[str, Any]:
                 f"{spec.target.racks} racks are {batch:,} sequences a step, the mixture's batch is "
                 f"{mixture.batch_size:,}"
             )
-    record = _target_record(cfg, ladder.target_model, tokens, seq_len, batch or mixture.batch_size)
+    record = _target_record(cfg, ladder.target_model, tokens, sequence_length, batch or mixture.batch_size)
     record["steps"] = steps
     record["racks"] = spec.target.racks
     record["steps_by_rule"] = max(
-        1, round(spec.tokens_per_active_param * record["active_params"] / (record["batch_size"] * seq_len))
+        1,
+        round(
+            spec.tokens_per_active_param * record["active_params"] / (record["batch_size"] * sequence_length)
+        ),
     )
     if steps is not None and record["steps_by_rule"] != steps:
         warnings.append(
@@ -82,34 +85,34 @@ def _optimizer_record(cfg: ModelConfig, steps: int, tokens_per_step: int) -> dic
 
 
 def _target_record(
-    cfg: ModelConfig, model_file: str, tokens: int, seq_len: int, batch_size: int | None = None
+    cfg: ModelConfig, model_file: str, tokens: int, sequence_length: int, batch_size: int | None = None
 ) -> dict[str, Any]:
     params = count_params(cfg)
-    per_token = flops_per_token(cfg, seq_len)
+    per_token = flops_per_token(cfg, sequence_length)
     record = {
         "name": cfg.name,
         "model": model_file,
         "total_params": params.total_params,
         "active_params": params.active_params,
         "tokens": tokens,
-        "sequence_length": seq_len,
+        "sequence_length": sequence_length,
         "tokens_per_active_param": tokens / params.active_params,
         "flops_per_token": per_token,
         "flops": per_token * tokens,
-        "forecast_compute": forecast_flops_per_token(cfg, seq_len) * tokens,
+        "forecast_compute": forecast_flops_per_token(cfg, sequence_length) * tokens,
     }
     if batch_size:
         record["batch_size"] = batch_size
-        tokens_per_step = batch_size * seq_len
+        tokens_per_step = batch_size * sequence_length
         if tokens % tokens_per_step == 0:
             record["optimizer"] = _optimizer_record(cfg, tokens // tokens_per_step, tokens_per_step)
     return record
 
 
-def target_from_model(model_file: str, tokens: int, seq_len: int | None = None) -> dict[str, Any]:
+def target_from_model(model_file: str, tokens: int, sequence_length: int | None = None) -> dict[str, Any]:
     """The target record of `--target-model FILE --target-tokens N`."""
     cfg = read_model(model_file)
-    return _target_record(cfg, model_file, tokens, seq_len or cfg.seq_len)
+    return _target_record(cfg, model_file, tokens, sequence_length or cfg.sequence_length)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -140,7 +143,7 @@ def _slice_spec(
 
 
 def _write_slice(path: str, spec: MixtureSpec) -> None:
-    """RUNG.yaml: the slice spec, for `tokenmill train --mixture` and for people to read."""
+    """RUNG.yaml: the slice spec, for `tokenmill train --data.mixture` and for people to read."""
     rounded = "whole steps" if spec.total_steps is not None else "whole mixture blocks"
     header = (
         "# Written by `tokenmill ladder plan`: a slice of the big mixture (simulated epoching), tokens from\n"
@@ -175,7 +178,8 @@ def plan_ladder(
     """Each rung's model, parameters, tokens, FLOPs, steps and mixture slice plan (docs/ladder.md).
 
     counts: the parsed tokens/counts.json (None: the mixtures' declared counts). With `output`, each rung's
-    slice spec is written there as RUNG.yaml (train it with `tokenmill train --mixture`), and planned from
+    slice spec is written there as RUNG.yaml (train it with `tokenmill train --data.mixture`), and planned
+    from
     that file; without, the slices are planned in memory.
     """
     from tokenmill.mixtures import MixtureError, load_mixture, plan_mixture
@@ -238,13 +242,16 @@ def plan_ladder(
             plan = plan_mixture(sliced, counts).to_json()
         except MixtureError as error:
             raise LadderError(f"{ladder.file}: rung {rung.name}: {error}") from error
-        seq_len = plan["sequence_length"]
-        per_token = flops_per_token(cfg, seq_len)
+        sequence_length = plan["sequence_length"]
+        per_token = flops_per_token(cfg, sequence_length)
         # The slice plan's own warnings are about the mixture (weights that round away in a block), the
         # same for every rung: the full plan's are printed once, a rung keeps only what is its own.
         warnings = [w for w in plan["warnings"] if w not in full_plan["warnings"]]
-        if seq_len > cfg.seq_len:
-            warnings.append(f"sequence length {seq_len} is longer than {cfg.name}'s seq_len {cfg.seq_len}")
+        if sequence_length > cfg.sequence_length:
+            warnings.append(
+                f"sequence length {sequence_length} is longer than {cfg.name}'s sequence_length "
+                f"{cfg.sequence_length}"
+            )
         reference = getattr(cfg, "reference_run", None)
         if reference is not None and (reference.steps, reference.batch_size) != (
             plan["total_steps"],
@@ -263,7 +270,7 @@ def plan_ladder(
             "tokens_requested": requested,
             "tokens": plan["planned_tokens"],
             "tokens_per_active_param": plan["planned_tokens"] / params.active_params,
-            "sequence_length": seq_len,
+            "sequence_length": sequence_length,
             "batch_size": plan["batch_size"],
             "racks": rung.racks,
             "block_size": plan["block_size"],
@@ -279,7 +286,7 @@ def plan_ladder(
             ],
             "flops_per_token": per_token,
             "flops": per_token * plan["planned_tokens"],
-            "forecast_compute": forecast_flops_per_token(cfg, seq_len) * plan["planned_tokens"],
+            "forecast_compute": forecast_flops_per_token(cfg, sequence_length) * plan["planned_tokens"],
             "optimizer": _optimizer_record(cfg, plan["total_steps"], plan["tokens_per_step"]),
             "mixture_spec": spec_file,
             "slice_fraction": plan["slice"]["fraction"] if plan.get("slice") else None,

@@ -1,6 +1,8 @@
-"""Reading trained rungs: each run's losses and cumulative FLOPs from runs/NAME/metrics.jsonl, what its
-config.json says it was meant to train (planned steps, model, tokens per step), and its smoothed loss at
-matched fractions of its planned steps. `read_run` is the one reader of a run folder here.
+"""Reading trained rungs: each run's losses and cumulative FLOPs from runs/NAME/metrics.jsonl, its
+evaluation records from eval.jsonl (when it has one), what its config.json says it was meant to train
+(planned steps, model, tokens per step), and its metric at matched fractions of its planned steps: the
+training loss smoothed, or an evaluation as it was recorded. `read_run` is the one reader of a run folder
+here.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from pydantic import ValidationError
 
 from tokenmill import storage
 from tokenmill.errors import FormatError
+from tokenmill.formats.evals import EVAL, EvalRecord, read_eval
 from tokenmill.formats.runs import CONFIG, METRICS, iter_metrics, read_run_record
-from tokenmill.trainer.config import ModelConfig
-from tokenmill.trainer.flops import forecast_flops_per_token
+from tokenmill.trainer.ladder.metric import Metric
 from tokenmill.trainer.ladder.spec import LadderError
+from tokenmill.trainer.model.flops import forecast_flops_per_token
+from tokenmill.trainer.model.shape import ModelConfig
 
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 DEFAULT_WINDOW = 0.1  # of a run's planned steps
@@ -40,6 +44,7 @@ class RunCurve:
     # Marin's forecast compute C of one step (no head, full-span attention), from the run's model and
     # tokens per step; None when config.json does not say enough to price it.
     forecast_per_step: float | None = None
+    evals: list[EvalRecord] = field(default_factory=list)  # eval.jsonl's records; [] without one
 
     def compute(self, step: int, convention: str = "trainer") -> float:
         """Compute spent up to and including `step`: the trainer's logged FLOPs or Marin's forecast C."""
@@ -49,15 +54,26 @@ class RunCurve:
             return self.forecast_per_step * (step + 1)
         return float(self.flops[np.searchsorted(self.steps, step)])
 
+    def compute_after(self, trained: int, convention: str = "trainer") -> float:
+        """Compute spent by `trained` steps (an evaluation's step counts steps trained, a metrics row's is
+        the 0-based step): the row of step trained - 1 when it is logged, else that many steps at the
+        run's FLOPs per step."""
+        if convention == "forecast":
+            return self.compute(trained - 1, convention)
+        index = int(np.searchsorted(self.steps, trained - 1))
+        if index < len(self.steps) and int(self.steps[index]) == trained - 1:
+            return float(self.flops[index])
+        return float(self.flops[-1]) / (int(self.steps[-1]) + 1) * trained
+
 
 def _forecast_per_step(config: dict[str, Any]) -> float | None:
     """C of one training step of the run in config.json, or None (an old run, or a synthetic one)."""
     plan = config.get("plan") or {}
     # The run configuration's data section; runs of trainers before run configurations kept it as "train".
     data = config.get("data") or config.get("train") or {}
-    seq_len = plan.get("sequence_length") or data.get("seq_len")
+    sequence_length = plan.get("sequence_length") or data.get("sequence_length")
     tokens_per_step = plan.get("tokens_per_step") or (
-        data.get("batch_size") * seq_len if data.get("batch_size") and seq_len else None
+        data.get("batch_size") * sequence_length if data.get("batch_size") and sequence_length else None
     )
     try:
         cfg = ModelConfig.model_validate(config.get("model") or {})
@@ -65,7 +81,7 @@ def _forecast_per_step(config: dict[str, Any]) -> float | None:
         return None
     if not tokens_per_step:
         return None
-    return float(forecast_flops_per_token(cfg, seq_len or cfg.seq_len) * tokens_per_step)
+    return float(forecast_flops_per_token(cfg, sequence_length or cfg.sequence_length) * tokens_per_step)
 
 
 def read_run(path: str) -> RunCurve:
@@ -79,7 +95,9 @@ def read_run(path: str) -> RunCurve:
         if not storage.exists(file):
             raise LadderError(f"{file}: no such file (is {path} a run folder written by `tokenmill train`?)")
     rows: dict[int, tuple[float, float]] = {}
+    eval_path = storage.join(path, EVAL)
     try:
+        evals = read_eval(eval_path) if storage.exists(eval_path) else []
         config = read_run_record(config_path).to_json()
         for number, row in iter_metrics(metrics_path):
             if row.loss is None or row.flops is None:
@@ -116,6 +134,7 @@ def read_run(path: str) -> RunCurve:
             "mixture": plan.get("name"),
         },
         forecast_per_step=_forecast_per_step(config),
+        evals=evals,
     )
 
 
@@ -158,10 +177,15 @@ def matched_points(
     fractions: tuple[float, ...] = DEFAULT_FRACTIONS,
     window: float = DEFAULT_WINDOW,
     convention: str = "trainer",
+    metric: Metric | None = None,
 ) -> tuple[list[Point], list[str]]:
     """The run's points at each fraction of its planned steps; a warning for each fraction not reached.
 
-    convention: the compute of a point, "trainer" (the logged FLOPs) or "forecast" (Marin's C)."""
+    convention: the compute of a point, "trainer" (the logged FLOPs) or "forecast" (Marin's C).
+    metric: the training loss (None), smoothed over `window`, or an evaluation metric (`evaluated_points`).
+    """
+    if metric is not None and metric.evaluated:
+        return evaluated_points(run, metric, fractions, window, convention)
     width = max(MIN_WINDOW_STEPS, run.block_steps, round(window * run.planned_steps))
     points, warnings = [], []
     logged = set(run.steps.tolist())
@@ -175,4 +199,50 @@ def matched_points(
             continue
         loss, se, used = smoothed_loss(run.steps, run.loss, at, width)
         points.append(Point(run.path, fraction, at, run.compute(at, convention), loss, se, used))
+    return points, warnings
+
+
+def evaluated_points(
+    run: RunCurve,
+    metric: Metric,
+    fractions: tuple[float, ...],
+    window: float,
+    convention: str = "trainer",
+) -> tuple[list[Point], list[str]]:
+    """The run's evaluations of `metric` at each fraction of its planned steps: the evaluation nearest at
+    or before the step that completes the fraction, `round(f x planned)` steps trained, if it lies within
+    `window` of the planned steps before it; a warning for each fraction without one.
+
+    The value is taken as recorded, not smoothed: an evaluation scores the same fixed batches every time,
+    so it carries no step-to-step sampling noise to smooth away (its standard error is taken as 0; the
+    bootstrap's noise is then the misfit of the law). A run that evaluated less often than `window` (Marin:
+    every 5%) has no point at the fractions between its evaluations, and one evaluation never stands for
+    two fractions.
+    """
+    values = [(step, value) for step, value in metric.values(run.evals) if step >= 1]
+    width = max(1, round(window * run.planned_steps))
+    points, warnings, used = [], [], set()
+    last = values[-1][0] if values else None
+    for fraction in fractions:
+        at = max(1, round(fraction * run.planned_steps))
+        where = f"step {at} ({fraction:.0%} of {run.planned_steps} planned)"
+        before = [(step, value) for step, value in values if step <= at]
+        if last is None or at > last:
+            warnings.append(
+                f"{run.path}: {where} has no evaluation of {metric.name} (last evaluation "
+                + (f"at step {last})" if last is not None else "none)")
+                + "; that point is left out"
+            )
+            continue
+        step, value = before[-1] if before else (None, None)
+        if step is None or at - step >= width or step in used:
+            warnings.append(
+                f"{run.path}: no evaluation of {metric.name} within {window:.0%} of the planned steps before "
+                f"{where}"
+                + (f", the last is at step {step}" if step is not None else "")
+                + ": the run evaluated less often than that; that point is left out"
+            )
+            continue
+        used.add(step)
+        points.append(Point(run.path, fraction, step, run.compute_after(step, convention), value, 0.0, 1))
     return points, warnings

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PositiveInt, ValidationError
 
-from tokenmill.trainer.config import ModelConfig, load_model_config
+from tokenmill.trainer.model.shape import ModelConfig, load_model_config
 from tokenmill.units import parse_count
 from tokenmill.validation import validation_problems
 

@@ -1,0 +1,304 @@
+"""`tokenmill model info` and `tokenmill model compile`: what a model shape (configs/models/*.yaml) counts and
+computes, and whether one train step of it fits a device, found ahead of time on simulated devices.
+
+The compile itself is tokenmill.trainer.run.compile; here are the flags, the simulated devices (XLA_FLAGS set
+before JAX starts, or the command re-run in a fresh process when JAX has started with other devices) and
+the printed report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+from tokenmill.errors import UsageError
+from tokenmill.units import format_count, parse_count
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `tokenmill model` to the `tokenmill` parser."""
+    parser = subparsers.add_parser("model", help="inspect model shapes (configs/models/*.yaml)")
+    model_sub = parser.add_subparsers(dest="model_command", metavar="ACTION")
+    info = model_sub.add_parser(
+        "info",
+        help="parameter counts (total, active, stored) and the compute of a model shape",
+        description="Counts follow Marin's convention: total = projection matrices with the embedding and "
+        "head, active = those one token uses without them, stored = every number a checkpoint holds. "
+        "Compute at --tokens (default: the shape's reference run): forecast_compute = C as Marin's "
+        "ladder forecast prices it (no head, attention over the full span), train_flops = C + the head. "
+        "flops_per_token is the MFU convention. See docs/trainer.md.",
+    )
+    info.add_argument("config", help="a model shape, e.g. configs/models/marin-535b-a23b.yaml")
+    info.add_argument(
+        "--tokens", help="training tokens, e.g. 18.75T (default: the shape's reference_run, if it has one)"
+    )
+    info.add_argument("--sequence-length", type=int, help="training sequence length (default: the model's)")
+    info.add_argument("--json", action="store_true", help="print JSON (exact integers)")
+    info.set_defaults(handler=_model_info)
+    compile_ = model_sub.add_parser(
+        "compile",
+        help="compile one train step ahead of time on N simulated devices: memory per device and FLOPs",
+        description="Lowers and compiles one full train step (forward, backward, optimizer, router-bias "
+        "update) for --devices simulated host devices with abstract arrays (nothing is allocated), and "
+        "prints XLA's bytes per device (arguments, outputs, temporaries, their total, and the optimizer "
+        "state kept in pinned host memory), XLA's FLOPs per step summed over devices next to the model's "
+        "own count, the compile time, and whether it fits --device-memory. See docs/trainer.md.",
+    )
+    compile_.add_argument("config", help="a model shape, e.g. configs/models/marin-535b-a23b.yaml")
+    compile_.add_argument("--devices", type=int, required=True, help="simulated devices (the mesh's size)")
+    compile_.add_argument(
+        "--mesh",
+        help="axis sizes, e.g. fsdp=8,expert=8 (axes data, fsdp, expert; unnamed ones are 1, one may be -1; "
+        "default: every device on fsdp)",
+    )
+    compile_.add_argument("--batch-size", type=int, required=True, help="sequences per step (global)")
+    compile_.add_argument("--sequence-length", type=int, help="tokens per sequence (default: the model's)")
+    compile_.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="gradient accumulation (optimizer.microbatches): the batch runs as N microbatches of "
+        "batch-size/N sequences, then one update; activations shrink about N-fold",
+    )
+    compile_.add_argument(
+        "--device-memory",
+        default="186GB",
+        help="memory of one device to compare against, e.g. 186GB (GB200, the default), 80GiB, 141GB",
+    )
+    compile_.add_argument("--remat", choices=["none", "full", "dots_saveable", "offload"], help=(
+        "rematerialisation policy (default: the model config's remat)"
+    ))  # fmt: skip
+    compile_.add_argument(
+        "--optimizer", choices=["adamw", "muon", "muonh"], help="default: as `tokenmill train` picks it"
+    )
+    compile_.add_argument(
+        "--optimizer-state",
+        choices=["device", "pinned_host"],
+        default="device",
+        help="where the optimizer state lives between steps (pinned_host: as the reference run)",
+    )
+    compile_.add_argument(
+        "--compute-dtype", choices=["float32", "bfloat16"], default="bfloat16", help="matmul precision"
+    )
+    compile_.add_argument("--json", action="store_true", help="print JSON")
+    compile_.set_defaults(handler=_model_compile)
+    parser.set_defaults(handler=lambda args: parser.print_help() or 2)
+
+
+def _model_info(args: argparse.Namespace) -> int:
+    from tokenmill.trainer.model.flops import model_info
+    from tokenmill.trainer.model.shape import load_model_config
+
+    try:
+        cfg = load_model_config(args.config)
+        tokens = parse_count(args.tokens) if args.tokens else None
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    info = model_info(cfg, tokens, args.sequence_length)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    moe = cfg.moe
+    kv = f"{cfg.n_kv_heads} kv"
+    if cfg.global_kv_heads is not None:
+        kv = f"kv {cfg.n_kv_heads} local / {cfg.global_kv_heads} global, {cfg.stored_kv_heads} stored"
+    n_global = sum(cfg.is_global(layer) for layer in range(cfg.n_layers))
+    attention = f"{n_global} of them global" if cfg.sliding_window else "all global"
+    latent = f" in a {moe.latent_dim} latent" if moe.latent_dim else ""
+    print(
+        f"{cfg.name}: {format_count(info['total_params'], 4)} total, "
+        f"{format_count(info['active_params'], 4)} active "
+        f"({info['total_params']:,} with the embedding and head; {info['active_params']:,} without)"
+    )
+    print(
+        f"  {cfg.n_layers} layers ({attention}), d_model {cfg.d_model}, {cfg.n_heads} heads ({kv}) x "
+        f"{cfg.head_dim}, {moe.n_experts} experts top-{moe.top_k} x {moe.expert_hidden}{latent} + "
+        f"{moe.n_shared_experts} shared x {moe.shared_expert_hidden}, vocab {cfg.vocab_size}"
+    )
+    print(
+        f"  stored {info['stored_params']:,} (embedding + head {info['embedding_params']:,}; norms, gates, "
+        f"SConv and the router bias {info['other_stored_params']:,})"
+    )
+    if info["tokens"] is not None:
+        run = info["reference_run"]
+        from_run = run and not tokens
+        source = (
+            f" ({run['steps']:,} steps x {run['batch_size']:,} x {info['sequence_length']:,})"
+            if from_run
+            else ""
+        )
+        print(
+            f"  {info['tokens']:,} tokens{source}: forecast compute {info['forecast_compute']:.4e} "
+            f"(no head, attention over the full span), with the head {info['train_flops']:.4e}"
+        )
+    print(
+        f"  MFU FLOPs per token {info['flops_per_token']:.4g} (6 x matmul weights + causal attention "
+        f"{info['attention_flops_per_token']:.4g} at sequence_length {info['sequence_length']}; "
+        f"head {info['head_flops_per_token']:.4g} apart)"
+    )
+    return 0
+
+
+# --- model compile ------------------------------------------------------------------------------------------
+
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_AXES = ("data", "fsdp", "expert")
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def parse_bytes(text: str) -> int:
+    """'186GB' (decimal), '80GiB' (binary) or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]I?B|B)?\s*", text.upper())
+    if not match:
+        raise ValueError(f"not a memory size: {text!r} (expected e.g. 186GB or 80GiB)")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2) or ""])
+
+
+def parse_mesh_axes(text: str | None, devices: int) -> dict[str, int]:
+    """'fsdp=8,expert=8' -> {data: 1, fsdp: 8, expert: 8}; their product must be the device count."""
+    if not text:
+        return {"data": 1, "fsdp": devices, "expert": 1}
+    sizes = dict.fromkeys(_AXES, 1)
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in _AXES or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"--mesh {text!r}: expected AXIS=SIZE pairs with axes {', '.join(_AXES)}")
+        sizes[name] = int(value)
+    free = [name for name, size in sizes.items() if size == -1]
+    if len(free) > 1 or any(size == 0 or size < -1 for size in sizes.values()):
+        raise ValueError(f"--mesh {text!r}: sizes must be positive, one of them may be -1")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        if devices % known:
+            raise ValueError(f"--mesh {text!r} does not divide {devices} devices")
+        sizes[free[0]] = devices // known
+    if math.prod(sizes.values()) != devices:
+        raise ValueError(f"--mesh {text!r} has {math.prod(sizes.values())} devices, not --devices {devices}")
+    return sizes
+
+
+def _model_compile(args: argparse.Namespace) -> int:
+    from tokenmill.trainer.model.shape import load_model_config
+
+    try:
+        cfg = load_model_config(args.config)
+        device_memory = parse_bytes(args.device_memory)
+        mesh = parse_mesh_axes(args.mesh, args.devices)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    if args.devices <= 0 or args.batch_size <= 0 or args.microbatches <= 0:
+        raise UsageError("--devices, --batch-size and --microbatches must be positive")
+    if args.batch_size % (args.devices * args.microbatches):
+        raise UsageError(
+            f"--batch-size {args.batch_size} does not split into {args.microbatches} microbatches over "
+            f"{args.devices} devices"
+        )
+    if not _simulated_devices_ready(args.devices):
+        return _rerun_with_devices(args)
+    from tokenmill.trainer.run.compile import compile_report
+
+    report = compile_report(
+        cfg,
+        mesh,
+        args.batch_size,
+        args.sequence_length,
+        device_memory,
+        remat=args.remat,
+        optimizer=args.optimizer,
+        optimizer_state=args.optimizer_state,
+        compute_dtype=args.compute_dtype,
+        microbatches=args.microbatches,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_compile_report(report))
+    return 0
+
+
+def _simulated_devices_ready(devices: int) -> bool:
+    """Make sure JAX will start with `devices` CPU devices: set XLA_FLAGS before it starts; False when it
+    has already started with another device set (the caller then re-runs the command in a new process)."""
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            import jax
+
+            return jax.default_backend() == "cpu" and jax.device_count() == devices
+    flags = [
+        flag for flag in os.environ.get("XLA_FLAGS", "").split() if not flag.startswith(_DEVICE_COUNT_FLAG)
+    ]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={devices}"])
+    # Simulated devices are host devices: an accelerator here would be used instead and is not what is asked.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    return True
+
+
+def _rerun_with_devices(args: argparse.Namespace) -> int:
+    """JAX already runs with other devices in this process (a notebook, a test): run the same command in a
+    fresh interpreter, whose JAX starts with the simulated devices."""
+    argv = ["model", "compile", args.config, "--devices", str(args.devices),
+            "--batch-size", str(args.batch_size), "--device-memory", args.device_memory,
+            "--optimizer-state", args.optimizer_state, "--compute-dtype", args.compute_dtype,
+            "--microbatches", str(args.microbatches)]  # fmt: skip
+    for flag, value in (("--mesh", args.mesh), ("--sequence-length", args.sequence_length),
+                        ("--remat", args.remat),
+                        ("--optimizer", args.optimizer)):  # fmt: skip
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.json:
+        argv.append("--json")
+    env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    done = subprocess.run([sys.executable, "-m", "tokenmill", *argv], env=env, check=False)
+    return done.returncode
+
+
+def format_compile_report(report: dict) -> str:
+    """The human-readable form of `compile_report`'s dict."""
+    from tokenmill.trainer.run.compile import FLOPS_TOLERANCE
+
+    gb = 1e9
+    memory = report["bytes_per_device"]
+    mesh = ",".join(f"{axis}={size}" for axis, size in report["mesh"].items())
+    lines = [
+        f"{report['model']}: one train step on {report['devices']} devices (mesh {mesh}), "
+        f"{report['batch_size']:,} x {report['sequence_length']:,} tokens in {report['microbatches']} "
+        f"microbatch{'es' if report['microbatches'] > 1 else ''}, dispatch {report['dispatch']}, "
+        f"remat {report['remat']}, {report['optimizer']} with its state on {report['optimizer_state']}, "
+        f"{report['compute_dtype']} compute",
+        f"  compile_seconds      {report['compile_seconds']:.1f}",
+        "  bytes_per_device     "
+        + ", ".join(
+            f"{key} {memory[key] / gb:.2f} GB" for key in ("arguments", "outputs", "temps", "total", "host")
+        ),
+        f"  xla_flops_per_step   {report['xla_flops_per_step']:.4e} (summed over devices; XLA's cost "
+        f"analysis alone, loop bodies once: {report['xla_cost_analysis_flops_per_step']:.4e})",
+        f"  model_flops_per_step {report['model_flops_per_step']:.4e} (the MFU count: 6 x active params + "
+        f"causal attention, no head; XLA / this = {report['flops_ratio']:.3f})",
+        f"  model_flops_executed {report['model_flops_executed']:.4e} (what the step runs: "
+        + ", ".join(f"{key} {value:.3e}" for key, value in report["model_flops_executed_parts"].items())
+        + f"; XLA / this = {report['flops_ratio_executed']:.3f}, "
+        + ("within" if report["flops_agree"] else "NOT within")
+        + f" {FLOPS_TOLERANCE:.0%})",
+    ]
+    limit = report["device_memory"]
+    if report["fits"]:
+        lines.append(
+            f"  fits: {memory['total'] / gb:.1f} GB of {limit / gb:.0f} GB per device "
+            f"({report['margin_bytes'] / gb:.1f} GB to spare)"
+        )
+    else:
+        lines.append(
+            f"  DOES NOT FIT: {memory['total'] / gb:.1f} GB per device, "
+            f"{-report['margin_bytes'] / gb:.1f} GB over {limit / gb:.0f} GB. Options:"
+        )
+        lines += [f"    - {tip}" for tip in report["suggestions"]]
+    return "\n".join(lines)
