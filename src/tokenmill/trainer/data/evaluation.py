@@ -16,6 +16,9 @@ Because only whole documents are scored, the set's bytes are the sum of those do
 The sequences depend only on the set's shards, the sequence length and the number of sequences: the same
 at every evaluation of a run and across runs of the same sets. Nothing here imports the model or the run.
 
+Evaluation sets on gs:// are read whole through a local mirror (`local_sets_folder`): they are small by
+construction (a held-out slice is capped per cell, 4M tokens by default), while training shards stay remote.
+
 Memory: a set holds its `sequences x (sequence_length + 1)` int32 tokens, segment ids and a mask on the
 host (1,024 sequences of 4,096 tokens: 48 MiB per set); each process keeps all of them and hands the
 device only its rows of each batch.
@@ -23,15 +26,18 @@ device only its rows of each batch.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from tokenmill import storage
 from tokenmill.formats.plan import EvalSetPlan, MixturePlan
-from tokenmill.formats.tokens import EVAL_DIR, MANIFEST
+from tokenmill.formats.tokens import COUNTS, EVAL_DIR, HELDOUT_DIR, MANIFEST, read_counts
 from tokenmill.tokenize.shards import EvalShards, TokenCatalog
 from tokenmill.trainer.data.batch import process_rows, segments_from_eos
 
@@ -149,6 +155,33 @@ def build_sequences(
         num_bytes=num_bytes,
         tokenizer_sha256=first.tokenizer_sha256,
     )
+
+
+def local_sets_folder(tokens_dir: str) -> str:
+    """The tokens folder to read evaluation sets from: `tokens_dir` itself when local; for gs://, a local
+    mirror holding its counts.json, every cell's held-out slice and every external set, each file a link
+    to its `storage.local_copy` (downloaded once per machine, keyed by the object's version, so a changed
+    set is fetched again). Lists only the cells' heldout/ folders and eval/, never the training shards."""
+    if storage.is_local(tokens_dir):
+        return storage.local_path(tokens_dir)
+    counts = read_counts(storage.join(tokens_dir, COUNTS))
+    prefixes = [f"{cell}/{HELDOUT_DIR}" for cell in sorted(counts.cells)] + [EVAL_DIR]
+    files = [COUNTS] + [
+        f"{prefix}/{relative}"
+        for prefix in prefixes
+        for relative in storage.list_files(storage.join(tokens_dir, prefix), relative=True)
+    ]
+    mirror = os.path.join(
+        storage.cache_dir(), "tokens-" + hashlib.sha256(tokens_dir.encode()).hexdigest()[:16]
+    )
+    for relative in files:
+        target = os.path.join(mirror, *relative.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        # A new link under a temporary name, then renamed over the old one: a reader never sees none.
+        temporary = f"{target}.{uuid.uuid4().hex}.tmp"
+        os.symlink(storage.local_copy(storage.join(tokens_dir, relative)), temporary)
+        os.replace(temporary, target)
+    return mirror
 
 
 def open_set(plan_set: EvalSetPlan, tokens_dir: str, tokenizer_sha256: str | None = None) -> list[EvalShards]:

@@ -293,7 +293,7 @@ def build_evaluator(
     """The evaluator of a resolved run (config.ResolvedRun) with its `evaluation` settings: the plan's
     evaluation sets (or evaluation.sets, or `names`), evaluation.sequences each, the run's sequence length
     and tokenizer; None when the run evaluates nothing (no plan, or a plan without evaluation sets)."""
-    from tokenmill.trainer.data.evaluation import load_sequences
+    from tokenmill.trainer.data.evaluation import load_sequences, local_sets_folder
 
     config = run.config
     settings = config.evaluation
@@ -303,9 +303,7 @@ def build_evaluator(
     tokens_dir = tokens_dir or config.data.tokens
     if not tokens_dir:
         raise ValueError("evaluation needs the token shards folder (data.tokens)")
-    if not storage.is_local(tokens_dir):
-        # Evaluation sets are small; they are read whole, through the local copy the storage layer keeps.
-        raise ValueError(f"{tokens_dir}: evaluation sets are read from local token shards")
+    tokens_dir = local_sets_folder(tokens_dir)  # gs://: a local mirror of the (small) evaluation sets
     expected = config.data.tokenizer_sha256 or run.plan.tokenizer_sha256
     sequences = load_sequences(
         run.plan, tokens_dir, config.data.sequence_length, settings.sequences, names, expected
