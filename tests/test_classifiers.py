@@ -322,6 +322,7 @@ def test_the_held_out_split_has_no_copy_of_a_training_text():
     assert all(text in left for text in distinct)
 
 
+@pytest.mark.slow  # the default suite's 15-minute budget; make test-slow runs it
 def test_calibrate_an_external_fasttext_model_and_curate_with_it(models, tmp_path):
     """A .bin trained with the fasttext package (not tokenmill), labels of its own; calibrate, curate."""
     from tokenmill.filters.classifiers import fasttext_text

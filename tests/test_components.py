@@ -131,6 +131,7 @@ def test_the_same_chain_in_reverse_id_order(tmp_path):
     assert stats["residual_edges"] == 0 and stats["components"] == 1
 
 
+@pytest.mark.slow  # the default suite's 15-minute budget; make test-slow runs it
 def test_a_hundred_thousand_leaf_star(tmp_path):
     leaves = [f"leaf{index:06d}" for index in range(100_000)]
     edges = [(leaf, "hub") for leaf in leaves]

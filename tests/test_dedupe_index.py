@@ -152,6 +152,7 @@ def test_a_later_run_removes_its_copies_and_edits_of_an_earlier_run_naming_them(
     assert b_index.documents == len(_kept_ids(out_b))
 
 
+@pytest.mark.slow  # the default suite's 15-minute budget; make test-slow runs it
 def test_merged_indexes_dedupe_a_third_run_against_both(corpus):
     tmp_path, recipe, a, copies, edits, new = corpus
     out_b = tmp_path / "out-b-for-merge"
@@ -218,6 +219,7 @@ def test_the_index_round_trips_on_gcs(corpus, gcs):
     assert set(_removed(out_b, "fuzzy_dedupe", "earlier_near_duplicate")) == set(edits)
 
 
+@pytest.mark.slow  # the default suite's 15-minute budget; make test-slow runs it
 def test_earlier_buckets_over_the_group_size_are_salted_with_the_same_verdicts(tmp_path, monkeypatch):
     """An earlier index whose band buckets hold several near-identical documents (kept by a run that
     removed only exact copies of signatures): salted into groups of one earlier member each, the later run

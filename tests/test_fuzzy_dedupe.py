@@ -568,6 +568,7 @@ def curate(output: Path, inputs: Path, recipe: Path, workers: int, *extra: str) 
     return json.loads((output / "stats.json").read_text())
 
 
+@pytest.mark.slow  # the default suite's 15-minute budget; make test-slow runs it
 def test_curate_accounts_for_fuzzy_dedupe_and_reruns_identically_whatever_the_worker_count(tmp_path):
     planted = write_corpus(tmp_path / "in")
     recipe = tmp_path / "recipe.yaml"

@@ -288,6 +288,7 @@ def test_telemetry_reads_what_the_backend_has() -> None:
     assert timer.take(0.1)["data_seconds"] == 0
 
 
+@pytest.mark.slow  # the default suite's 15-minute budget; make test-slow runs it
 @pytest.mark.browser
 def test_live_page_reloads_itself_in_the_browser(tmp_path: Path) -> None:
     from tokenmill.reports.browser import headless_chromium, missing_browser

@@ -153,6 +153,7 @@ def dask_cluster():
         yield cluster
 
 
+@pytest.mark.slow  # the default suite's 15-minute budget; make test-slow runs it
 def test_curate_on_a_dask_cluster_gives_the_local_runners_bytes(
     dask_cluster, quick_recipe, local_quick, tmp_path
 ):
