@@ -20,11 +20,12 @@ from scipy.sparse.csgraph import connected_components
 
 from tokenmill.pipelines.dedupe_keys import node_id, node_key
 from tokenmill.pipelines.fuzzy_dedupe import (
+    _MAX_STATS,
     DEFAULT_ROUNDS,
     ConnectedComponents,
-    _StatsCombine,
     size_bucket,
 )
+from tokenmill.pipelines.sinks import StatsCombine
 
 #: (wall, CPU) seconds of each Beam run here (the in-memory runner runs in this process), by test:
 #: printed at the end of the module (`pytest -s`).
@@ -63,7 +64,7 @@ def run_components(
         )
         (
             result["stats"]
-            | "SumStats" >> beam.CombineGlobally(_StatsCombine())
+            | "SumStats" >> beam.CombineGlobally(StatsCombine(_MAX_STATS))
             | "DumpStats" >> beam.ParDo(_Dump(str(tmp_path / "stats.json")))
         )
     TIMINGS[name] = (time.perf_counter() - started, time.process_time() - cpu_started)

@@ -32,12 +32,13 @@ from tokenmill.filters.minhash import (
 )
 from tokenmill.pipelines.dedupe_keys import node_id, node_key
 from tokenmill.pipelines.fuzzy_dedupe import (
+    _MAX_STATS,
     ConnectedComponents,
     FuzzyDedupe,
-    _StatsCombine,
     size_bucket,
 )
 from tokenmill.pipelines.recipe import RecipeError, build_steps, load_recipe
+from tokenmill.pipelines.sinks import StatsCombine
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -121,7 +122,7 @@ def run_components(edges: list[tuple[str, str]], tmp_path: Path, max_rounds: int
         )
         (
             result["stats"]
-            | "SumStats" >> beam.CombineGlobally(_StatsCombine())
+            | "SumStats" >> beam.CombineGlobally(StatsCombine(_MAX_STATS))
             | "DumpStats" >> beam.ParDo(_Dump(str(tmp_path / "cc-stats.json")))
         )
     labels = {

@@ -46,7 +46,7 @@ import apache_beam as beam
 from tokenmill.formats.documents import CLUSTER_SIZE, cluster_size_bin
 from tokenmill.pipelines.dedupe_keys import document_and_decision
 from tokenmill.pipelines.exact_dedupe import GROUP_SIZE, salt_count
-from tokenmill.pipelines.sinks import stable_hash
+from tokenmill.pipelines.sinks import StatsCombine, stable_hash
 
 STAGE = "dedupe_clusters"
 #: Stages whose removals name, in `detail.kept_id`, the document kept in their place.
@@ -199,34 +199,6 @@ def _with_cluster_size(element: tuple[str, Iterable[tuple[int, Any]]]):
     yield {**document, CLUSTER_SIZE: size}
 
 
-class _StatsCombine(beam.CombineFn):
-    """Sums dicts of numbers (one level of nesting), the maximum for `_MAX_STATS` keys."""
-
-    def create_accumulator(self) -> dict:
-        return {}
-
-    def add_input(self, accumulator: dict, element: dict) -> dict:
-        for key, value in element.items():
-            if isinstance(value, dict):
-                nested = accumulator.setdefault(key, {})
-                for inner, number in value.items():
-                    nested[inner] = nested.get(inner, 0) + number
-            elif key in _MAX_STATS:
-                accumulator[key] = max(accumulator.get(key, 0), value)
-            else:
-                accumulator[key] = accumulator.get(key, 0) + value
-        return accumulator
-
-    def merge_accumulators(self, accumulators: Iterable[dict]) -> dict:
-        merged: dict = {}
-        for accumulator in accumulators:
-            self.add_input(merged, accumulator)
-        return merged
-
-    def extract_output(self, accumulator: dict) -> dict:
-        return accumulator
-
-
 class DedupeClusters(beam.PTransform):
     """Final kept ids and cluster sizes (see the module docstring).
 
@@ -335,7 +307,7 @@ class DedupeClusters(beam.PTransform):
                 sized.stats,
             )
             | "AllStats" >> beam.Flatten()
-            | "SumStats" >> beam.CombineGlobally(_StatsCombine())
+            | "SumStats" >> beam.CombineGlobally(StatsCombine(_MAX_STATS))
             | "StageStats" >> beam.Map(lambda numbers: (STAGE, numbers))
         )
         removed = (*others, rewritten.removed) | "AllRemoved" >> beam.Flatten()

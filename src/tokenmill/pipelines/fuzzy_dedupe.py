@@ -103,7 +103,7 @@ from tokenmill.filters.minhash import (
     estimated_jaccard_from_agreement,
 )
 from tokenmill.pipelines.dedupe_keys import document_and_decision, node_id, node_key
-from tokenmill.pipelines.sinks import stable_hash
+from tokenmill.pipelines.sinks import StatsCombine, stable_hash
 
 STAGE = "fuzzy_dedupe"
 REASON = "near_duplicate"
@@ -151,34 +151,6 @@ def _component_stats(size: int) -> dict:
         "largest_component": size,
         "component_sizes": {size_bucket(size): 1},
     }
-
-
-class _StatsCombine(beam.CombineFn):
-    """Sums dicts of numbers (histograms nested one level), taking the maximum for `_MAX_STATS` keys."""
-
-    def create_accumulator(self):
-        return {}
-
-    def add_input(self, accumulator, element):
-        for key, value in element.items():
-            if isinstance(value, dict):
-                nested = accumulator.setdefault(key, {})
-                for inner, number in value.items():
-                    nested[inner] = nested.get(inner, 0) + number
-            elif key in _MAX_STATS:
-                accumulator[key] = max(accumulator.get(key, 0), value)
-            else:
-                accumulator[key] = accumulator.get(key, 0) + value
-        return accumulator
-
-    def merge_accumulators(self, accumulators):
-        merged = {}
-        for accumulator in accumulators:
-            self.add_input(merged, accumulator)
-        return merged
-
-    def extract_output(self, accumulator):
-        return accumulator
 
 
 def _edge_hash(child: str, parent: str) -> int:
@@ -936,7 +908,7 @@ class FuzzyDedupe(beam.PTransform):
         stats = (
             tuple(stats_parts)
             | "AllStats" >> beam.Flatten()
-            | "SumStats" >> beam.CombineGlobally(_StatsCombine())
+            | "SumStats" >> beam.CombineGlobally(StatsCombine(_MAX_STATS))
             | "StageStats" >> beam.Map(lambda numbers: (STAGE, numbers))
         )
         result = {"kept": decided.kept, "removed": decided.removed, "stats": stats}

@@ -115,3 +115,35 @@ class WritePartitioned(beam.PTransform):
             | "GroupByFile" >> beam.GroupByKey()
             | "Write" >> beam.ParDo(_WriteFile(self.output_dir, self.suffix, self.write, record_key))
         )
+
+
+class StatsCombine(beam.CombineFn):
+    """A stage's stats: sums dicts of numbers (histograms nested one level), taking the maximum for the keys
+    in `max_keys` (largest component, largest bucket, ...). O(keys) memory, merged across workers."""
+
+    def __init__(self, max_keys: Iterable[str] = ()) -> None:
+        self.max_keys = frozenset(max_keys)
+
+    def create_accumulator(self) -> dict:
+        return {}
+
+    def add_input(self, accumulator: dict, element: dict) -> dict:
+        for key, value in element.items():
+            if isinstance(value, dict):
+                nested = accumulator.setdefault(key, {})
+                for inner, number in value.items():
+                    nested[inner] = nested.get(inner, 0) + number
+            elif key in self.max_keys:
+                accumulator[key] = max(accumulator.get(key, 0), value)
+            else:
+                accumulator[key] = accumulator.get(key, 0) + value
+        return accumulator
+
+    def merge_accumulators(self, accumulators: Iterable[dict]) -> dict:
+        merged: dict = {}
+        for accumulator in accumulators:
+            self.add_input(merged, accumulator)
+        return merged
+
+    def extract_output(self, accumulator: dict) -> dict:
+        return accumulator
