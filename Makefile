@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export XLA_FLAGS ?=
 export PYTHONHASHSEED := 0
 
-.PHONY: install demo test test-slow test-install test-all bench lint sample browser clean
+.PHONY: install demo swarm test test-slow test-install test-all bench lint sample browser clean
 
 install: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml
 
 demo: install
 	TOKENMILL=$(BIN)/tokenmill PYTHON=$(BIN)/python bash scripts/demo.sh
+
+# Mixture search on the demo corpus (scripts/swarm.sh, docs/search.md): 32 tiny proxies, their fit, a
+# proposed mixture, its validation against the prior and uniform mixtures, the swarm page. Resumable.
+swarm: install
+	TOKENMILL=$(BIN)/tokenmill PYTHON=$(BIN)/python bash scripts/swarm.sh
 
 # Headless Chromium for the page tests (Debian packages; needs root or sudo on a fresh machine).
 browser:

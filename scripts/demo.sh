@@ -52,6 +52,12 @@ banner "tokenize the cells into token shards, held-out slices and counts.json"
 "$TOKENMILL" tokenize --input "$OUT/curate/curated" --output "$OUT/tokens" --tokenizer "$OUT/tokenizer.json" \
   --heldout-fraction 0.05 --heldout-min-documents 2 --overwrite
 
+# DEMO_UNTIL=tokens stops here: what scripts/swarm.sh (make swarm) needs from the demo.
+if [ "${DEMO_UNTIL:-}" = tokens ]; then
+  printf '\ndemo data ready in %ds: %s/tokens\n' "$(($(date +%s) - started))" "$OUT"
+  exit 0
+fi
+
 banner "plan the demo mixture against the token catalog"
 "$TOKENMILL" mixture plan "$MIXTURE" --counts "$OUT/tokens/counts.json"
 

@@ -335,7 +335,9 @@ def test_a_mesh_scores_what_one_device_scores():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    # Unoptimised CPU code generation (as in test_expert_parallel.py): four programs that run once each.
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", MESH_SCRIPT % str(TINY)], env=env, capture_output=True,
                           text=True, timeout=600, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 
 import pyarrow.compute as pc
@@ -20,17 +22,37 @@ from tokenmill.pipelines.recipe import RecipeError, build_steps, load_recipe
 KINDS = ["gopher_repetition", "gopher_quality", "fineweb_quality", "c4"]
 
 
-def sample_texts() -> list[dict]:
+@functools.cache
+def _normalized_sample() -> tuple[dict, ...]:
     documents = []
     for path in sorted(SAMPLE.iterdir()):
         documents.extend(r for r in read_file(str(path), InputFields()) if r["kind"] == "document")
     Normalize().apply(documents)
-    return documents
+    return tuple(documents)
+
+
+def sample_texts() -> list[dict]:
+    """The sample's documents as curate normalizes them (read and normalized once; each call a fresh copy)."""
+    return copy.deepcopy(list(_normalized_sample()))
+
+
+#: datatrove's verdict, (keep, reason), by (kind, its parameters as JSON, text): datatrove's own splitting
+#: of a text is the slow part, and every test here asks the same questions of the same sample texts.
+_VERDICTS: dict[tuple[str, str, str], tuple[bool, str | None]] = {}
+
+
+@functools.cache
+def _datatrove_filter(kind: str, params_json: str):
+    return datatrove_filter_class(kind)(**json.loads(params_json))
 
 
 def datatrove_keeps(kind: str, params: dict, text: str) -> tuple[bool, str | None]:
-    verdict = datatrove_filter_class(kind)(**params).filter(Document(text=text, id="x"))
-    return verdict if isinstance(verdict, tuple) else (verdict, None)
+    """What datatrove's filter of this kind, called directly, says of the text."""
+    key = (kind, json.dumps(params, sort_keys=True), text)
+    if key not in _VERDICTS:
+        verdict = _datatrove_filter(*key[:2]).filter(Document(text=text, id="x"))
+        _VERDICTS[key] = verdict if isinstance(verdict, tuple) else (verdict, None)
+    return _VERDICTS[key]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -39,13 +61,11 @@ def test_each_filter_matches_datatrove_called_directly(kind, shared_words):
     documents = sample_texts()
     step = HeuristicFilter(kind, {}, shared_words=shared_words)
     step.setup()
-    filter_instance = datatrove_filter_class(kind)()
     for start in range(0, len(documents), 256):
         batch = documents[start : start + 256]
         verdicts = step.apply(batch)
         for document, removal in zip(batch, verdicts):
-            expected = filter_instance.filter(Document(text=document["text"], id=document["id"]))
-            keep, reason = expected if isinstance(expected, tuple) else (expected, None)
+            keep, reason = datatrove_keeps(kind, {}, document["text"])
             assert (removal is None) == keep, (document["id"], removal, reason)
             if removal is not None and reason:
                 assert removal.reason == reason
@@ -60,12 +80,9 @@ def test_c4_edits_do_not_leak_into_the_kept_text():
     assert documents[0]["text"] == text  # datatrove's C4 filter dropped lines in its own copy only
 
 
-def test_the_curated_sample_is_what_datatrove_keeps(tmp_path):
+def test_the_curated_sample_is_what_datatrove_keeps(web_sample_run):
     """The whole web recipe through the pipeline against the same rules applied by hand with datatrove."""
-    from test_curate import curate
-
-    output = tmp_path / "out"
-    curate(output, str(SAMPLE / "*"))
+    output, _ = web_sample_run  # conftest's curate of the sample with the web recipe, shared
     kept_by_pipeline = set(curated_dataset(str(output / "curated")).to_table().column("id").to_pylist())
 
     recipe = load_recipe(SAMPLE.parent.parent / "configs" / "curate" / "web.yaml")

@@ -109,7 +109,9 @@ def gcs_rejected_rows(gcs: GcsEmulator, *parts: str) -> list[dict]:
     return rows
 
 
-def test_curate_and_tokenize_from_gs_to_gs_give_the_bytes_of_local_runs(gcs, tmp_path, capsys):
+def test_curate_and_tokenize_from_gs_to_gs_give_the_bytes_of_local_runs(
+    gcs, web_sample_run, tmp_path, capsys
+):
     env, network_log = offline_env(tmp_path)
     env.update(gcs.env)
     raw = gcs.upload(SAMPLE, "raw")
@@ -126,20 +128,19 @@ def test_curate_and_tokenize_from_gs_to_gs_give_the_bytes_of_local_runs(gcs, tmp
     assert storage.read_json(f"{out}/stats.json") == {}
     run_tokenmill(*curate, "--overwrite", "--workers", "2", env=env)
 
+    # The local run: conftest's curate of the sample with the same recipe (bytes that do not depend on the
+    # worker count: test_curate.py), shared with other tests.
+    local_out, _ = web_sample_run
     local = tmp_path / "local"
-    assert (
-        main([*curate[:3], "--input", str(SAMPLE / "*"), "--output", str(local / "out"), "--workers", "1"])
-        == 0
-    )
     remote = gcs.tree_bytes("out")
     assert remote.pop("notes.txt") == b"not curate's"  # --overwrite removes the run's parts only
     expected = {
-        name: data for name, data in tree_bytes(local / "out").items() if not name.startswith("rejected/")
+        name: data for name, data in tree_bytes(local_out).items() if not name.startswith("rejected/")
     }
     assert {name: data for name, data in remote.items() if not name.startswith("rejected/")} == expected
     assert any(name.startswith("curated/") for name in expected) and "stats.json" in expected
     # Rejected records name the file where it is; apart from that location they are the same.
-    local_rows = normalized_rejected(rejected_rows(local / "out"), str(SAMPLE))
+    local_rows = normalized_rejected(rejected_rows(local_out), str(SAMPLE))
     assert normalized_rejected(gcs_rejected_rows(gcs, "out"), raw) == local_rows and len(local_rows) == 3
 
     # A tokenizer trained on the local run's text, read by the gs:// run from the bucket (with its sidecar).
@@ -150,7 +151,7 @@ def test_curate_and_tokenize_from_gs_to_gs_give_the_bytes_of_local_runs(gcs, tmp
                 "tokenizer",
                 "train",
                 "--input",
-                str(local / "out" / "curated"),
+                str(local_out / "curated"),
                 "--vocab-size",
                 "600",
                 "--output",
@@ -183,7 +184,7 @@ def test_curate_and_tokenize_from_gs_to_gs_give_the_bytes_of_local_runs(gcs, tmp
             [
                 "tokenize",
                 "--input",
-                str(local / "out" / "curated"),
+                str(local_out / "curated"),
                 "--output",
                 str(local / "tokens"),
                 "--tokenizer",

@@ -46,8 +46,10 @@ def free_port() -> int:
 
 def environment(devices: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "JOB_COMPLETION"))}
-    return {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-            **extra}  # fmt: skip
+    # Unoptimised CPU code generation (as in test_expert_parallel.py): a few tiny steps, compiled in each
+    # process; LLVM's default level made compiling most of a run's time.
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    return {**env, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", **extra}
 
 
 def run_all(commands: list[tuple[list[str], dict[str, str]]]) -> list[str]:

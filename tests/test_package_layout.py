@@ -30,6 +30,9 @@ CORPORA = {"corpora"}
 STAGES = {"pipelines", "filters", "tokenize", "mixtures", "domains"}
 #: Readers of the files; they never import Beam, however indirectly.
 READERS = {"trainer", "reports"}
+#: Mixture search: above the trainer (it writes run configurations and starts `tokenmill train`); nothing
+#: imports it but the command line, and the pages read its records through tokenmill.formats.swarm.
+SEARCH = {"swarm"}
 #: The trainer's parts (docs/trainer.md): what each may import of the trainer besides itself.
 TRAINER = "tokenmill.trainer"
 TRAINER_PARTS = {
@@ -98,7 +101,7 @@ def reaches_beam(module: str) -> list[str]:
 
 def test_the_package_has_the_layers_the_rule_names():
     layers = {layer(module) for module in MODULES} - {"", "cli", "__main__"}
-    assert layers == BOTTOM | CORPORA | STAGES | READERS | {"samples"}
+    assert layers == BOTTOM | CORPORA | STAGES | READERS | SEARCH | {"samples"}
 
 
 @pytest.mark.parametrize(
@@ -109,8 +112,9 @@ def test_the_package_has_the_layers_the_rule_names():
         (CORPORA, BOTTOM | CORPORA),
         (STAGES, BOTTOM | CORPORA | STAGES),
         (READERS, BOTTOM | CORPORA | STAGES | READERS),
+        (SEARCH, BOTTOM | CORPORA | STAGES | READERS | SEARCH),
     ],
-    ids=["bottom", "samples", "corpora", "stages", "trainer-and-reports"],
+    ids=["bottom", "samples", "corpora", "stages", "trainer-and-reports", "search"],
 )
 def test_imports_run_downward(layers, allowed):
     wrong = {

@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "tokenmill.tokenize.commands",
     "tokenmill.pipelines.tokenize_command",
     "tokenmill.mixtures.commands",
+    "tokenmill.swarm.commands",  # adds to `tokenmill mixture`
     "tokenmill.trainer.commands",
     "tokenmill.reports.commands",
 )

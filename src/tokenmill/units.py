@@ -65,3 +65,12 @@ def parse_byte_size(value: int | float | str) -> int:
                     raise ValueError(f"not a size in bytes: {value!r} (expected e.g. 64MiB, 1.5GiB or 256M)")
                 return int(size)
     return parse_count(value)
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as the unit a person reads at that size: 48 s, 12.5 min, 3.20 h."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"

@@ -26,13 +26,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `tokenmill mixture` and its actions to the `tokenmill` parser."""
     parser = subparsers.add_parser(
         "mixture",
-        help="mixture specs (mixtures/*.yaml): check, plan, diff, schema",
+        help="mixture specs (mixtures/*.yaml): check, plan, diff, schema; search: swarm, run, fit, propose",
         description=(
             "Validate, plan and compare mixture specs: phases with token budgets and weights over "
             "domain x quality cells, resolved against tokens/counts.json. See docs/mixtures.md."
         ),
     )
     actions = parser.add_subparsers(dest="mixture_action", metavar="ACTION")
+    parser.actions = actions  # tokenmill.swarm.commands adds the search's actions (swarm, run, fit, ...)
     parser.set_defaults(handler=lambda args: parser.print_help() or 2)
 
     check = actions.add_parser(

@@ -162,6 +162,25 @@ class ProvenanceSpec(BaseModel):
     note: str | None = None
 
 
+class SearchSpec(BaseModel):
+    """Where a proposed mixture's weights come from: the mixture search that chose them (docs/search.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    swarm: str = Field(description="the swarm's folder (its swarm.json holds every proxy's weights)")
+    swarm_sha256: str = Field(description="sha256 of the swarm.json the fit read")
+    fit: str = Field(description="the fit's record (fit.json)")
+    proposal: str = Field(description="the proposal's record: predicted metrics with their spread")
+    phase: str = Field(description="the phase whose weights were searched; the others are the base's")
+    base: str = Field(description="the base mixture")
+    objective: dict[str, float] = Field(description="metric -> weight, minimised")
+    kl_weight: float = Field(0.0, description="the pull toward the token-proportional prior")
+    evidence_reused: list[str] = Field(
+        default_factory=list,
+        description="sources whose content changed since the swarm ran, whose evidence was reused as asked",
+    )
+
+
 class MixtureSpec(BaseModel):
     """A training data mixture (mixtures/*.yaml). See docs/mixtures.md."""
 
@@ -191,6 +210,9 @@ class MixtureSpec(BaseModel):
         "this step, which may fall inside a block",
     )
     provenance: ProvenanceSpec | None = Field(None, description="where the mixture comes from")
+    search: SearchSpec | None = Field(
+        None, description="the mixture search that proposed these weights (tokenmill mixture propose)"
+    )
     sequence_length: Positive | None = Field(None, description="tokens per sequence")
     batch_size: Positive | None = Field(None, description="sequences per step")
     block_size: Positive | None = Field(

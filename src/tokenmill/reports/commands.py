@@ -1,4 +1,5 @@
-"""Subcommands of the reports stage: `tokenmill report` builds the public data-overview site."""
+"""Subcommands of the reports stage: `tokenmill report` builds the public data-overview site (and with
+--swarm a mixture search's page, alone or beside it)."""
 
 from __future__ import annotations
 
@@ -20,19 +21,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add this stage's subcommands to the `tokenmill` parser."""
     parser = subparsers.add_parser(
         "report",
-        help="build the static data-overview site (and a run page)",
+        help="build the static data-overview site (and a run page, a swarm page)",
         description=(
             "Build a static site that opens from disk or a bucket: tokens per domain and quality, sample "
-            "documents, the curation funnel, the mixture per phase, and with --run the training curves."
+            "documents, the curation funnel, the mixture per phase, with --run the training curves and "
+            "with --swarm a mixture search's page. --swarm and --output alone write only swarm.html."
         ),
     )
-    parser.add_argument(
-        "--curated", required=True, metavar="DIR", help="curate's output folder (or its curated/)"
-    )
-    parser.add_argument(
-        "--tokens", required=True, metavar="DIR", help="tokenize's output folder (counts.json)"
-    )
-    plan = parser.add_mutually_exclusive_group(required=True)
+    # Required unless --swarm is given alone (checked in run_report).
+    parser.add_argument("--curated", metavar="DIR", help="curate's output folder (or its curated/)")
+    parser.add_argument("--tokens", metavar="DIR", help="tokenize's output folder (counts.json)")
+    plan = parser.add_mutually_exclusive_group()
     plan.add_argument(
         "--mixture", metavar="FILE", help="mixture spec (YAML), planned against the tokens' counts"
     )
@@ -52,6 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="a scaling-ladder fit (`tokenmill ladder fit`'s ladder.json) to draw on the run page "
         "(default: the run folder's ladder.json, if any)",
+    )
+    parser.add_argument(
+        "--swarm",
+        metavar="DIR",
+        help="a mixture search's folder (`tokenmill mixture swarm`): adds swarm.html; alone (with --output) "
+        "writes only swarm.html",
     )
     parser.add_argument(
         "--output", default="site", metavar="DIR", help="where to write the site (default: site)"
@@ -116,9 +121,27 @@ def run_report(args: argparse.Namespace) -> int:
     for name in ("samples_per_cell", "preview_chars", "removed_examples"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be 0 or more")
-    for flag, path in (("--curated", args.curated), ("--tokens", args.tokens), ("--run", args.run)):
+    for flag, path in (
+        ("--curated", args.curated),
+        ("--tokens", args.tokens),
+        ("--run", args.run),
+        ("--swarm", args.swarm),
+    ):
         if path is not None and not storage.exists(path):
             raise UsageError(f"{flag} {path}: no such folder")
+    site_inputs = (args.curated, args.tokens, args.mixture or args.plan)
+    if args.swarm and not any(site_inputs):
+        return _swarm_only(args)
+    missing = [
+        flag
+        for flag, given in zip(("--curated", "--tokens", "--mixture or --plan"), site_inputs)
+        if not given
+    ]
+    if missing:
+        raise UsageError(
+            f"{', '.join(missing)} required: the overview is built from curate's and tokenize's output and "
+            "a mixture (or give only --swarm and --output for the swarm page alone)"
+        )
     if args.ladder is not None:
         if not storage.exists(args.ladder):
             raise UsageError(f"--ladder {args.ladder}: no such file")
@@ -153,14 +176,46 @@ def run_report(args: argparse.Namespace) -> int:
             options=options,
             title=args.title,
             ladder=args.ladder,
+            swarm=args.swarm,
         )
     except InputError as error:
         raise UsageError(str(error)) from error
     total = format_count(sum(result.files.values()))
-    pages = " and ".join(
-        storage.join(args.output, page) for page in ("index.html", "run.html") if page in result.files
+    pages = ", ".join(
+        storage.join(args.output, page)
+        for page in ("index.html", "run.html", "swarm.html")
+        if page in result.files
     )
     print(
         f"wrote {pages}: {len(result.files)} files, {total}B (index.html {format_count(result.index_bytes)}B)"
     )
+    return 0
+
+
+def _swarm_only(args: argparse.Namespace) -> int:
+    """`tokenmill report --swarm DIR --output DIR`: swarm.html alone, other files in the folder left as
+    they are."""
+    from tokenmill.reports.inputs import InputError
+    from tokenmill.reports.swarmpage import build_swarm_page
+
+    others = [
+        flag
+        for flag, given in (
+            ("--previous-mixture", args.previous_mixture),
+            ("--previous-plan", args.previous_plan),
+            ("--run", args.run),
+            ("--ladder", args.ladder),
+        )
+        if given
+    ]
+    if others:
+        raise UsageError(
+            f"{', '.join(others)} belong to the overview site: give --curated, --tokens and --mixture or "
+            "--plan too"
+        )
+    try:
+        path = build_swarm_page(args.swarm, args.output)
+    except InputError as error:
+        raise UsageError(str(error)) from error
+    print(f"wrote {path}")
     return 0

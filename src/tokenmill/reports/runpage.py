@@ -21,7 +21,7 @@ from tokenmill.formats.evals import EVAL, EvalRecord, parse_eval
 from tokenmill.formats.runs import CONFIG, LOG, METRICS, parse_metrics_line, read_run_record
 from tokenmill.reports import svg
 from tokenmill.reports.inputs import InputError, read_json_file
-from tokenmill.units import format_count
+from tokenmill.units import format_count, format_duration
 
 MAX_LAYER_SERIES = 8
 CONFIG_ROWS = 300
@@ -350,7 +350,7 @@ def build_run(
         ("FLOPs", format_count(_number(last.get("flops")) or 0) if _number(last.get("flops")) else "–"),
         (
             "wall time",
-            _duration(_number(last.get("time"))) if _number(last.get("time")) else "–",
+            format_duration(_number(last.get("time"))) if _number(last.get("time")) else "–",
         ),
         (
             "phases",
@@ -896,15 +896,6 @@ def build_ladder(
     }
 
 
-def _duration(seconds: float) -> str:
-    """Seconds as the unit a person reads at that size: 48 s, 12.5 min, 3.20 h."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.2f} h"
-
-
 # --- what a follower of a live run needs (`tokenmill train --publish`; docs/reports.md, "Live run page") ---
 
 DATA = "data/run"  # where the site keeps the files behind the run page
@@ -1054,11 +1045,11 @@ def build_follow(
             if target and target > done:
                 left = (target - done) * seconds
                 at = f" (about {_utc(now + left)})" if now else ""
-                eta.append(f"phase {phase_name} reaches step {target:,} in {_duration(left)}{at}")
+                eta.append(f"phase {phase_name} reaches step {target:,} in {format_duration(left)}{at}")
             if total > done and (not target or total > target):
                 left = (total - done) * seconds
                 at = f" (about {_utc(now + left)})" if now else ""
-                eta.append(f"the plan's last step ({total:,}) in {_duration(left)}{at}")
+                eta.append(f"the plan's last step ({total:,}) in {format_duration(left)}{at}")
         progress = {
             "done": done,
             "total": total,

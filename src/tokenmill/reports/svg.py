@@ -6,7 +6,8 @@ Every piece of text that reaches the SVG goes through `escape`, since labels com
 (source names, phase names).
 
 `line_chart` is the reusable piece: the run page draws its curves with it, and a scaling-ladder forecast
-(log-log axes, dashed extrapolations, marked points) can be drawn with the same call.
+(log-log axes, dashed extrapolations, marked points) can be drawn with the same call. `scatter_chart` shares
+its axes (the swarm page's predicted-against-measured plots).
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ SEQUENTIAL = (
     "#081d58",
 )
 EMPTY_COLOR = "#f1f3f5"
+# A diverging palette (ColorBrewer RdBu, reversed) for signed values: blue below zero, white at it, red above.
+DIVERGING = (
+    "#2166ac",
+    "#4393c3",
+    "#92c5de",
+    "#d1e5f0",
+    "#f7f7f7",
+    "#fddbc7",
+    "#f4a582",
+    "#d6604d",
+    "#b2182b",
+)
 # Categorical colors for lines and stacked bars, distinct enough side by side.
 CATEGORICAL = (
     "#2563eb",
@@ -156,7 +169,11 @@ class ColorScale:
         return value / self.high
 
     def color(self, value: float) -> str:
-        return EMPTY_COLOR if value <= 0 else interpolate(SEQUENTIAL, 0.08 + 0.92 * self.position(value))
+        return EMPTY_COLOR if value <= 0 else self.gradient(self.position(value))
+
+    def gradient(self, t: float) -> str:
+        """The color at position t (0..1) of the scale, for its legend."""
+        return interpolate(SEQUENTIAL, 0.08 + 0.92 * t)
 
     def ticks(self) -> list[float]:
         if self.log:
@@ -164,6 +181,32 @@ class ColorScale:
             decades = [10.0**k for k in range(start, stop + 1)]
             return sorted({self.low, *decades, self.high})
         return sorted({self.low, *(t for t in nice_ticks(0, self.high, 4) if t > self.low), self.high})
+
+
+@dataclass(frozen=True)
+class DivergingScale:
+    """Maps signed values (fitted effects, say) to the diverging palette, symmetric around zero: values at or
+    beyond `bound` in magnitude take the end colors."""
+
+    bound: float
+    log = False  # for `color_legend`, which names a log scale
+
+    @classmethod
+    def for_values(cls, values: Sequence[float]) -> DivergingScale:
+        finite = [abs(v) for v in values if math.isfinite(v)]
+        return cls(max(finite, default=0.0) or 1.0)
+
+    def position(self, value: float) -> float:
+        return 0.5 + 0.5 * min(1.0, max(-1.0, value / self.bound))
+
+    def color(self, value: float) -> str:
+        return self.gradient(self.position(value))
+
+    def gradient(self, t: float) -> str:
+        return interpolate(DIVERGING, t)
+
+    def ticks(self) -> list[float]:
+        return sorted({-self.bound, *(t for t in nice_ticks(-self.bound, self.bound, 4)), self.bound})
 
 
 @dataclass(frozen=True)
@@ -182,7 +225,7 @@ def heatmap(
     columns: Sequence[str],
     cells: Sequence[HeatCell],
     *,
-    scale: ColorScale,
+    scale: ColorScale | DivergingScale,
     title: str,
     row_label: str,
     column_label: str,
@@ -223,8 +266,7 @@ def heatmap(
         for j, column in enumerate(columns):
             x = label_width + cell_w * j
             cell = by_key.get((row, column))
-            value = cell.value if cell else 0.0
-            fill = scale.color(value)
+            fill = scale.color(cell.value) if cell else EMPTY_COLOR
             rect = (
                 f'<rect class="heat-cell" data-cell="{escape(cell.key if cell else "")}"'
                 f' data-row="{escape(row)}" data-column="{escape(column)}" x="{_f(x + 1)}" y="{_f(y + 1)}"'
@@ -246,19 +288,19 @@ def heatmap(
 
 
 def color_legend(
-    scale: ColorScale,
+    scale: ColorScale | DivergingScale,
     *,
     label: str,
     width: float = 320,
     gradient_id: str = "legend-gradient",
     fraction: bool = False,
 ) -> Markup:
-    """A horizontal gradient bar with tick labels, matching `ColorScale.color`."""
+    """A horizontal gradient bar with tick labels, matching the scale's `color` (with the empty cells' key
+    for a `ColorScale`, whose zero is empty)."""
     height, bar_top, bar_h, pad = 46.0, 18.0, 12.0, 10.0
     bar_w = width - 2 * pad
     stops = "".join(
-        f'<stop offset="{_f(100 * k / 16)}%" stop-color="{interpolate(SEQUENTIAL, 0.08 + 0.92 * k / 16)}"/>'
-        for k in range(17)
+        f'<stop offset="{_f(100 * k / 16)}%" stop-color="{scale.gradient(k / 16)}"/>' for k in range(17)
     )
     out = [
         _open("legend", width, height, label),
@@ -277,10 +319,11 @@ def color_legend(
             anchor = "start" if x < pad + 8 else "end" if x > width - pad - 8 else "middle"
             out.append(_text(x, bar_top + bar_h + 15, text, anchor, ' fill="#374151"'))
             last_x = x
-    out.append(
-        f'<rect x="{_f(width - pad - 52)}" y="1" width="12" height="12" fill="{EMPTY_COLOR}"'
-        ' stroke="#d1d5db"/>' + _text(width - pad - 36, 11, "empty", "start", ' fill="#4b5563"')
-    )
+    if isinstance(scale, ColorScale):
+        out.append(
+            f'<rect x="{_f(width - pad - 52)}" y="1" width="12" height="12" fill="{EMPTY_COLOR}"'
+            ' stroke="#d1d5db"/>' + _text(width - pad - 36, 11, "empty", "start", ' fill="#4b5563"')
+        )
     out.append("</svg>")
     return Markup("".join(out))
 
@@ -321,6 +364,7 @@ class Bar:
     label: str
     value: float
     annotation: str = ""
+    color: str = ""  # the chart's color when empty
 
 
 def bar_chart(
@@ -345,10 +389,11 @@ def bar_chart(
     for i, bar in enumerate(bars):
         y = top + (bar_h + gap) * i
         w = length(bar.value)
+        tip = f"{bar.label}: {bar.annotation}" if bar.label else bar.annotation
         out.append(
             _text(label_width - 8, y + bar_h / 2 + 4, bar.label, "end")
             + f'<rect x="{_f(label_width)}" y="{_f(y)}" width="{_f(max(w, 1))}" height="{_f(bar_h)}" rx="2"'
-            f' fill="{color}"><title>{escape(bar.label)}: {escape(bar.annotation)}</title></rect>'
+            f' fill="{bar.color or color}"><title>{escape(tip)}</title></rect>'
             + _text(label_width + w + 6, y + bar_h / 2 + 4, bar.annotation, "start", ' fill="#374151"')
         )
     out.append("</svg>")
@@ -472,6 +517,90 @@ def _log_ticks(low: float, high: float) -> list[float]:
     return ticks
 
 
+def _bounds(values: list[float], axis: Axis) -> tuple[float, float]:
+    """An axis's range: its own low and high where given, else the values'; never empty."""
+    low = axis.low if axis.low is not None else min(values)
+    high = axis.high if axis.high is not None else max(values)
+    if axis.log:
+        low, high = max(low, 1e-300), max(high, 1e-300)
+        if high <= low:
+            low, high = low / 2, high * 2
+    elif high <= low:
+        pad = abs(low) * 0.05 or 1.0
+        low, high = low - pad, high + pad
+    return low, high
+
+
+def _position(value: float, low: float, high: float, log: bool) -> float:
+    if log:
+        return (math.log10(value) - math.log10(low)) / (math.log10(high) - math.log10(low))
+    return (value - low) / (high - low)
+
+
+def _legend_layout(names: Sequence[str], width: float) -> tuple[list[tuple[float, int]], int]:
+    """Each legend item's (x offset, row), wrapping rows to the chart's width, and the number of rows."""
+    positions: list[tuple[float, int]] = []
+    cursor, row = 0.0, 0
+    for name in names:
+        item_w = 26 + CHAR_WIDTH * len(name) + 12
+        if cursor + item_w > width - 70 and cursor > 0:
+            cursor, row = 0.0, row + 1
+        positions.append((cursor, row))
+        cursor += item_w
+    return positions, row + 1 if names else 0
+
+
+@dataclass(frozen=True)
+class _Plot:
+    """The plotting area of a chart with axes: where a value lands, and its frame, grid, ticks and labels."""
+
+    left: float
+    top: float
+    width: float
+    height: float
+    x: Axis
+    y: Axis
+    x_lo: float
+    x_hi: float
+    y_lo: float
+    y_hi: float
+
+    def px(self, value: float) -> float:
+        return self.left + self.width * _position(value, self.x_lo, self.x_hi, self.x.log)
+
+    def py(self, value: float) -> float:
+        return self.top + self.height * (1 - _position(value, self.y_lo, self.y_hi, self.y.log))
+
+    def frame(self, chart_height: float) -> list[str]:
+        left, top, plot_w, plot_h = self.left, self.top, self.width, self.height
+        out = [
+            f'<rect x="{_f(left)}" y="{_f(top)}" width="{_f(plot_w)}" height="{_f(plot_h)}" fill="#ffffff"'
+            ' stroke="#d1d5db"/>'
+        ]
+        y_ticks = _log_ticks(self.y_lo, self.y_hi) if self.y.log else nice_ticks(self.y_lo, self.y_hi, 4)
+        for tick in y_ticks:
+            ty = self.py(tick)
+            out.append(
+                _line(left, left + plot_w, ty, ty, "#eef0f3")
+                + _text(left - 6, ty + 4, self.y.format(tick), "end", ' fill="#4b5563"')
+            )
+        x_ticks = _log_ticks(self.x_lo, self.x_hi) if self.x.log else nice_ticks(self.x_lo, self.x_hi, 5)
+        for tick in x_ticks:
+            tx = self.px(tick)
+            out.append(
+                _line(tx, tx, top + plot_h, top + plot_h + 4, "#9ca3af")
+                + _text(tx, top + plot_h + 16, self.x.format(tick), "middle", ' fill="#4b5563"')
+            )
+        if self.x.label:
+            out.append(_text(left + plot_w / 2, chart_height - 6, self.x.label, "middle", ' fill="#374151"'))
+        if self.y.label:
+            out.append(
+                f'<text transform="translate(12 {_f(top + plot_h / 2)}) rotate(-90)" text-anchor="middle"'
+                f' fill="#374151">{escape(self.y.label)}</text>'
+            )
+        return out
+
+
 def line_chart(
     series: Sequence[Series],
     *,
@@ -514,17 +643,8 @@ def line_chart(
     xs = [p[0] for s in series for p in s.points if p[1] is not None]
     ys = [p[1] for s in series for p in s.points if p[1] is not None]
     xs += [v.x for v in vlines if math.isfinite(v.x) and not (x.log and v.x <= 0)]
-    legend_rows = 0
-    legend_items: list[tuple[float, int, Series]] = []
-    if sum(s.legend for s in series) > 1:
-        cursor, row = 0.0, 0
-        for s in (s for s in series if s.legend):
-            item_w = 26 + CHAR_WIDTH * len(s.name) + 12
-            if cursor + item_w > width - 70 and cursor > 0:
-                cursor, row = 0.0, row + 1
-            legend_items.append((cursor, row, s))
-            cursor += item_w
-        legend_rows = row + 1
+    in_legend = [s for s in series if s.legend] if sum(s.legend for s in series) > 1 else []
+    positions, legend_rows = _legend_layout([s.name for s in in_legend], width)
     left, right, bottom = 60.0, 26.0, 40.0
     top = 26.0 + 16.0 * legend_rows
     plot_w, plot_h = width - left - right, height - top - bottom
@@ -533,7 +653,7 @@ def line_chart(
         f"<title>{escape(title)}</title>",
         _text(left, 14, title, "start", ' font-weight="600" font-size="12.5" fill="#111827"'),
     ]
-    for cursor, row, s in legend_items:
+    for (cursor, row), s in zip(positions, in_legend):
         ly = 28 + 16 * row
         dash = ' stroke-dasharray="5 3"' if s.dashed else ""
         out.append(
@@ -544,63 +664,17 @@ def line_chart(
         out.append(_text(width / 2, top + plot_h / 2, "no data", "middle", ' fill="#6b7280"') + "</svg>")
         return Markup("".join(out))
 
-    def bounds(values: list[float], axis: Axis) -> tuple[float, float]:
-        low = axis.low if axis.low is not None else min(values)
-        high = axis.high if axis.high is not None else max(values)
-        if axis.log:
-            low, high = max(low, 1e-300), max(high, 1e-300)
-            if high <= low:
-                low, high = low / 2, high * 2
-        elif high <= low:
-            pad = abs(low) * 0.05 or 1.0
-            low, high = low - pad, high + pad
-        return low, high
-
-    x_lo, x_hi = bounds(xs, x)
-    y_lo, y_hi = bounds(ys, y)
+    x_lo, x_hi = _bounds(xs, x)
+    y_lo, y_hi = _bounds(ys, y)
     if not y.log and y.low is None and y.high is None:
         # Headroom so that the line does not touch the frame.
         margin = (y_hi - y_lo) * 0.05
         y_lo, y_hi = y_lo - margin, y_hi + margin
         if min(ys) >= 0 > y_lo:
             y_lo = 0.0
-
-    def scale(value: float, low: float, high: float, log: bool) -> float:
-        if log:
-            return (math.log10(value) - math.log10(low)) / (math.log10(high) - math.log10(low))
-        return (value - low) / (high - low)
-
-    def px(value: float) -> float:
-        return left + plot_w * scale(value, x_lo, x_hi, x.log)
-
-    def py(value: float) -> float:
-        return top + plot_h * (1 - scale(value, y_lo, y_hi, y.log))
-
-    out.append(
-        f'<rect x="{_f(left)}" y="{_f(top)}" width="{_f(plot_w)}" height="{_f(plot_h)}" fill="#ffffff"'
-        ' stroke="#d1d5db"/>'
-    )
-    y_ticks = _log_ticks(y_lo, y_hi) if y.log else nice_ticks(y_lo, y_hi, 4)
-    for tick in y_ticks:
-        ty = py(tick)
-        out.append(
-            _line(left, left + plot_w, ty, ty, "#eef0f3")
-            + _text(left - 6, ty + 4, y.format(tick), "end", ' fill="#4b5563"')
-        )
-    x_ticks = _log_ticks(x_lo, x_hi) if x.log else nice_ticks(x_lo, x_hi, 5)
-    for tick in x_ticks:
-        tx = px(tick)
-        out.append(
-            _line(tx, tx, top + plot_h, top + plot_h + 4, "#9ca3af")
-            + _text(tx, top + plot_h + 16, x.format(tick), "middle", ' fill="#4b5563"')
-        )
-    if x.label:
-        out.append(_text(left + plot_w / 2, height - 6, x.label, "middle", ' fill="#374151"'))
-    if y.label:
-        out.append(
-            f'<text transform="translate(12 {_f(top + plot_h / 2)}) rotate(-90)" text-anchor="middle"'
-            f' fill="#374151">{escape(y.label)}</text>'
-        )
+    plot = _Plot(left, top, plot_w, plot_h, x, y, x_lo, x_hi, y_lo, y_hi)
+    px, py = plot.px, plot.py
+    out.extend(plot.frame(height))
     for v in vlines:
         if not math.isfinite(v.x) or (x.log and v.x <= 0) or not (x_lo <= v.x <= x_hi):
             continue
@@ -629,5 +703,104 @@ def line_chart(
                 )
             if s.markers or len(run) == 1:
                 out.extend(f'<circle cx="{_f(a)}" cy="{_f(b)}" r="3" fill="{s.color}"/>' for a, b in run)
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+@dataclass(frozen=True)
+class Points:
+    """One group of points on a scatter chart, each with its tooltip (which proxy it is, say)."""
+
+    name: str
+    points: Sequence[tuple[float, float]]
+    titles: Sequence[str] = ()  # one per point; a point without one is named by its group and values
+    color: str = ""
+
+
+def scatter_chart(
+    groups: Sequence[Points],
+    *,
+    title: str,
+    x: Axis | None = None,
+    y: Axis | None = None,
+    diagonal: bool = False,
+    width: float = 420,
+    height: float = 340,
+) -> Markup:
+    """Points of one or more groups on shared axes (those of `line_chart`), a legend when there are several.
+
+    With `diagonal`, both axes cover the same range and the dashed line y = x is drawn: predictions against
+    the measured values then read at a glance (on the line: exact; above it: predicted too high). Points
+    with a non-finite value, or a non-positive one on a log axis, are left out.
+    """
+    x = x or Axis()
+    y = y or Axis()
+
+    def plottable(value: float, axis: Axis) -> bool:
+        return math.isfinite(value) and not (axis.log and value <= 0)
+
+    kept: list[tuple[str, str, list[tuple[float, float, str]]]] = []
+    for i, group in enumerate(groups):
+        titles = [*group.titles, *[""] * (len(group.points) - len(group.titles))]
+        points = [
+            (float(a), float(b), tip or f"{group.name}: {format_tick(a)}, {format_tick(b)}")
+            for (a, b), tip in zip(group.points, titles)
+            if plottable(a, x) and plottable(b, y)
+        ]
+        kept.append((group.name, group.color or category_color(i), points))
+    xs = [a for _, _, points in kept for a, _, _ in points]
+    ys = [b for _, _, points in kept for _, b, _ in points]
+    names = [name for name, _, _ in kept] if len(kept) > 1 else []
+    positions, legend_rows = _legend_layout([*names, "y = x"] if diagonal and names else names, width)
+    left, right, bottom = 60.0, 26.0, 40.0
+    top = 26.0 + 16.0 * legend_rows
+    plot_w, plot_h = width - left - right, height - top - bottom
+    out = [
+        _open("scatter-chart", width, height, title),
+        f"<title>{escape(title)}</title>",
+        _text(left, 14, title, "start", ' font-weight="600" font-size="12.5" fill="#111827"'),
+    ]
+    for k, (cursor, row) in enumerate(positions):
+        ly = 28 + 16 * row
+        if k < len(names):
+            swatch = f'<circle cx="{_f(left + cursor + 10)}" cy="{_f(ly - 4)}" r="3.5" fill="{kept[k][1]}"/>'
+        else:
+            swatch = _line(
+                left + cursor, left + cursor + 20, ly - 4, ly - 4, "#9ca3af", ' stroke-dasharray="4 3"'
+            )
+        label = names[k] if k < len(names) else "y = x"
+        out.append(swatch + _text(left + cursor + 25, ly, label, "start", ' fill="#374151"'))
+    if not xs:
+        out.append(_text(width / 2, top + plot_h / 2, "no data", "middle", ' fill="#6b7280"') + "</svg>")
+        return Markup("".join(out))
+
+    x_lo, x_hi = _bounds(xs, x)
+    y_lo, y_hi = _bounds(ys, y)
+    if diagonal:
+        x_lo = y_lo = min(x_lo, y_lo)
+        x_hi = y_hi = max(x_hi, y_hi)
+    # Headroom on linear axes without a given range, so that no point sits on the frame.
+    if not x.log and x.low is None and x.high is None:
+        margin = (x_hi - x_lo) * 0.05
+        x_lo, x_hi = x_lo - margin, x_hi + margin
+    if not y.log and y.low is None and y.high is None:
+        margin = (y_hi - y_lo) * 0.05
+        y_lo, y_hi = y_lo - margin, y_hi + margin
+    plot = _Plot(left, top, plot_w, plot_h, x, y, x_lo, x_hi, y_lo, y_hi)
+    out.extend(plot.frame(height))
+    if diagonal:
+        low, high = max(x_lo, y_lo), min(x_hi, y_hi)
+        out.append(
+            f'<line class="diagonal" x1="{_f(plot.px(low))}" x2="{_f(plot.px(high))}" y1="{_f(plot.py(low))}"'
+            f' y2="{_f(plot.py(high))}" stroke="#9ca3af" stroke-dasharray="4 3"><title>y = x</title></line>'
+        )
+    for name, color, points in kept:
+        out.append(f'<g class="points" data-group="{escape(name)}">')
+        out.extend(
+            f'<circle cx="{_f(plot.px(a))}" cy="{_f(plot.py(b))}" r="3.5" fill="{color}" fill-opacity="0.8">'
+            f"<title>{escape(tip)}</title></circle>"
+            for a, b, tip in points
+        )
+        out.append("</g>")
     out.append("</svg>")
     return Markup("".join(out))

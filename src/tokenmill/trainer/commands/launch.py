@@ -30,6 +30,20 @@ job id as JAX does (two jobs sharing a node do not collide), else 8476.
 Both run `tokenmill train --config FILE --mesh.distributed` in every process; the data each process reads is a
 function of the global step and its process index, so nothing else has to be coordinated. No JAX here: the
 command line checks a launch before anything starts.
+
+`tokenmill launch jobset|slurm --swarm SWARM` writes instead a mixture search's swarm (swarm.json, written by
+`tokenmill mixture swarm`) as one job array, one task per proxy, each task independent of the others:
+
+- a SLURM array (`#SBATCH --array=0-(N-1)%P`), one node, one task and its devices per array task;
+- a Kubernetes batch/v1 Job with `completionMode: Indexed` (`completions` N, `parallelism` P), not a JobSet:
+  the proxies do not talk to one another, so they need no headless service, and a plain Indexed Job retries
+  each failed index on its own (`backoffLimitPerIndex`) where a JobSet would recreate every pod.
+
+Task i runs `python -m tokenmill.swarm.worker SWARM --index env`, which trains proxy i of swarm.json's
+`proxies` (from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX), unless that proxy's result.json already says it
+finished with the run configuration it has now (the worker checks, as `tokenmill mixture run` does): a
+resubmitted array then reruns only what is unfinished. The manifest is read through tokenmill.formats (the
+trainer does not import tokenmill.swarm).
 """
 
 from __future__ import annotations
@@ -46,13 +60,16 @@ from typing import Any
 import yaml
 
 from tokenmill import storage
-from tokenmill.errors import UsageError
+from tokenmill.errors import FormatError, UsageError
+from tokenmill.formats.swarm import SWARM, read_swarm
 from tokenmill.trainer.run.distributed import DEFAULT_COORDINATOR_PORT
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "workers"
 CONFIG_MOUNT = "/etc/tokenmill"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+DEFAULT_DEVICES_PER_NODE = 8
+DEFAULT_PROCESSES_PER_NODE = 1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -324,46 +341,256 @@ def slurm_script(
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# `tokenmill launch --swarm`: a mixture search's proxies as one job array.
+
+WORKER_MODULE = "tokenmill.swarm.worker"
+SWARM_LOGS = "logs"  # SLURM array tasks' output, under the swarm's folder
+SWARM_CONTAINER = "proxy"
+
+
+@dataclass(frozen=True)
+class SwarmLaunch:
+    """A swarm's proxies as one job array: task i trains `proxies[i]`."""
+
+    name: str  # the job's name: a DNS label
+    swarm: str  # the swarm's folder as given: where the tasks find it, from the directory they run in
+    proxies: tuple[str, ...]  # the proxies' ids, in array order (swarm.json's `proxies`)
+    parallel: int | None  # at most this many tasks at once (None: as many as the scheduler allows)
+    devices_per_task: int  # 0: the proxies train on CPU
+    cpus_per_task: int | None
+
+    @property
+    def tasks(self) -> int:
+        return len(self.proxies)
+
+    def task_commands(self, index_variable: str) -> list[str]:
+        """The POSIX shell lines of one task: skip a finished proxy, else run the worker on this task's."""
+        quote = shlex.quote
+        lines = [f"SWARM={quote(self.swarm)}"]
+        if not self.devices_per_task:
+            lines.append('export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"  # no devices asked for: train on CPU')
+        lines += [
+            f': "${{{index_variable}:?is not set: this runs as a task of a job array}}"',
+            # The worker skips a proxy that already finished with its run configuration as it is now.
+            f'exec python -m {WORKER_MODULE} "$SWARM" --index env',
+        ]
+        return lines
+
+
+def plan_swarm_launch(
+    swarm: str,
+    name: str | None = None,
+    parallel: int | None = None,
+    devices_per_task: int = 1,
+    cpus_per_task: int | None = None,
+) -> SwarmLaunch:
+    """Read the swarm's manifest (SWARM/swarm.json) for a job array of one task per proxy; UsageError names
+    what is missing or wrong."""
+    manifest_path = storage.join(swarm, SWARM)
+    if not storage.exists(manifest_path):
+        raise UsageError(
+            f"--swarm {swarm}: no {manifest_path} (a swarm's folder holds the swarm.json that "
+            "`tokenmill mixture swarm` writes)"
+        )
+    try:
+        manifest = read_swarm(manifest_path)
+    except FormatError as error:
+        raise UsageError(str(error)) from error
+    if not manifest.proxies:
+        raise UsageError(f"{manifest_path}: no proxies to run")
+    if parallel is not None and parallel < 1:
+        raise UsageError("--parallel: at least 1")
+    if devices_per_task < 0 or (cpus_per_task is not None and cpus_per_task < 1):
+        raise UsageError("--gpus-per-task must be 0 or more, --cpus-per-task 1 or more")
+    return SwarmLaunch(
+        dns_label(name or manifest.name or Path(swarm.rstrip("/")).name),
+        swarm,
+        tuple(proxy.id for proxy in manifest.proxies),
+        parallel,
+        devices_per_task,
+        cpus_per_task,
+    )
+
+
+def swarm_slurm_script(
+    launch: SwarmLaunch,
+    partition: str | None = None,
+    account: str | None = None,
+    time_limit: str | None = None,
+    chdir: str | None = None,
+    setup: str | None = None,
+) -> str:
+    """An sbatch script of one array task per proxy (`--array=0-(N-1)%P`), each on one node with its own
+    devices, running the worker from the submission directory (or `chdir`). Each task's output goes to
+    SWARM/logs/JOBID_TASK.out; its first line names the proxy."""
+    array = f"0-{launch.tasks - 1}" + (f"%{launch.parallel}" if launch.parallel else "")
+    lines = [
+        "#!/bin/bash",
+        f"# Written by `tokenmill launch slurm --swarm {launch.swarm}`: {launch.tasks} proxies, one array "
+        f"task each, {launch.devices_per_task} GPU(s) per task.",
+        "# sbatch THIS_FILE   (from the directory the swarm was made in: its run configurations' paths are "
+        "relative to it)",
+        f"#SBATCH --job-name={launch.name}",
+        f"#SBATCH --array={array}",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=1",
+    ]
+    if launch.devices_per_task:
+        # One task on one node: the batch step itself holds (and sees) the node's GPUs, no srun needed.
+        lines.append(f"#SBATCH --gpus-per-node={launch.devices_per_task}")
+    for flag, value in (("cpus-per-task", launch.cpus_per_task), ("partition", partition),
+                        ("account", account), ("time", time_limit), ("chdir", chdir)):  # fmt: skip
+        if value:
+            lines.append(f"#SBATCH --{flag}={value}")
+    lines += [
+        f"#SBATCH --output={storage.join(launch.swarm, SWARM_LOGS)}/%A_%a.out",
+        "",
+        "set -euo pipefail",
+        f"cd {shlex.quote(chdir)}" if chdir else 'cd "${SLURM_SUBMIT_DIR:-.}"',
+    ]
+    if setup:
+        lines.append(setup)
+    lines += [
+        "",
+        "# Task i trains swarm.json's proxy i, unless its result.json says it finished with its run.yaml as",
+        "# it is now: resubmitting the array reruns only the unfinished (a killed proxy resumes from its",
+        "# checkpoints).",
+        *launch.task_commands("SLURM_ARRAY_TASK_ID"),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def swarm_job_manifest(
+    launch: SwarmLaunch,
+    image: str,
+    volumes: Sequence[tuple[str, str]] = (),
+    namespace: str | None = None,
+    device_resource: str = "nvidia.com/gpu",
+    workdir: str = "/opt/tokenmill",
+    node_selector: Mapping[str, str] | None = None,
+    max_restarts: int = 3,
+) -> dict[str, Any]:
+    """A batch/v1 Indexed Job of one pod per proxy (`completions` = proxies, `parallelism` = --parallel):
+    Kubernetes sets JOB_COMPLETION_INDEX in each pod, and the worker trains that proxy. The swarm's folder
+    is on one of `volumes` (PersistentVolumeClaim name, mount path), shared by all pods. A failed pod is
+    retried on its own index, up to `max_restarts` times (`backoffLimitPerIndex`, Kubernetes 1.29+); a pod
+    evicted or preempted (condition DisruptionTarget) is retried without counting."""
+    metadata: dict[str, Any] = {"name": launch.name, "labels": {"app.kubernetes.io/name": "tokenmill"}}
+    if namespace:
+        metadata["namespace"] = namespace
+    mounts, pod_volumes = [], []
+    for index, (claim, mount) in enumerate(volumes):
+        mounts.append({"name": f"volume-{index}", "mountPath": mount})
+        pod_volumes.append({"name": f"volume-{index}", "persistentVolumeClaim": {"claimName": claim}})
+    container: dict[str, Any] = {
+        "name": SWARM_CONTAINER,
+        "image": image,
+        "workingDir": workdir,
+        "command": ["sh", "-c", "\n".join(["set -eu", *launch.task_commands("JOB_COMPLETION_INDEX")])],
+        "volumeMounts": mounts,
+    }
+    resources: dict[str, str] = {}
+    if launch.devices_per_task and device_resource:
+        resources[device_resource] = str(launch.devices_per_task)
+    if launch.cpus_per_task:
+        resources["cpu"] = str(launch.cpus_per_task)
+    if resources:
+        container["resources"] = {"limits": dict(resources), "requests": dict(resources)}
+    pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], "volumes": pod_volumes}
+    if node_selector:
+        pod_spec["nodeSelector"] = dict(node_selector)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": metadata,
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": launch.tasks,
+            "parallelism": launch.parallel or launch.tasks,
+            "backoffLimitPerIndex": max_restarts,
+            "podFailurePolicy": {
+                "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]
+            },
+            "template": {"metadata": {"labels": dict(metadata["labels"])}, "spec": pod_spec},
+        },
+    }
+
+
+def swarm_job_yaml(job: dict[str, Any], launch: SwarmLaunch) -> str:
+    header = (
+        f"# Written by `tokenmill launch jobset --swarm {launch.swarm}`: {launch.tasks} proxies, one pod "
+        "each (a batch/v1 Indexed Job).\n"
+        "# kubectl apply -f THIS_FILE   (Kubernetes 1.29+ for backoffLimitPerIndex; no JobSet controller)\n"
+    )
+    return header + yaml.dump(job, Dumper=_BlockDumper, sort_keys=False, width=1000)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `tokenmill launch` to the `tokenmill` parser."""
     parser = subparsers.add_parser(
         "launch",
-        help="write the job that trains a run configuration on several machines (JobSet, SLURM)",
+        help="write the job that trains a run configuration on several machines, or a swarm as a job array "
+        "(JobSet, SLURM)",
         description="Write a multi-host training job for an existing scheduler from one run configuration "
         "(configs/runs/*.yaml): a Kubernetes JobSet manifest or a SLURM batch script. Every process runs "
         "`tokenmill train --config FILE --mesh.distributed` and finds the coordinator, the process count "
         "and its "
         "id in the variables the job sets. The mesh and batch are checked against the devices first. "
-        "Flags after `--` go to every `tokenmill train`. See docs/operations.md.",
+        "Flags after `--` go to every `tokenmill train`. With --swarm DIR instead of --config: a mixture "
+        "search's proxies as one job array (a SLURM array, a Kubernetes Indexed Job), one task per proxy. "
+        "See docs/operations.md.",
     )
     kinds = parser.add_subparsers(dest="scheduler", metavar="SCHEDULER")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", required=True, metavar="FILE", help="the run configuration")
-    common.add_argument("--nodes", type=int, required=True, help="machines")
     common.add_argument(
-        "--devices-per-node", type=int, default=8, help="accelerators per machine (default 8)"
+        "--config", metavar="FILE", help="the run configuration (one run on --nodes machines)"
     )
     common.add_argument(
-        "--processes-per-node", type=int, default=1, help="processes per machine, each with its share of the "
+        "--swarm", metavar="DIR", help="instead of --config: a swarm's folder (swarm.json, from `tokenmill "
+        "mixture swarm`), written as one job array of one task per proxy",
+    )  # fmt: skip
+    common.add_argument("--nodes", type=int, help="machines (with --config, which needs it)")
+    common.add_argument(
+        "--devices-per-node", type=int, help=f"accelerators per machine (default {DEFAULT_DEVICES_PER_NODE})"
+    )
+    common.add_argument(
+        "--processes-per-node", type=int, help="processes per machine, each with its share of the "
         "devices (default 1: one process drives every device of its machine)",
     )  # fmt: skip
-    common.add_argument("--name", help="the job's name (default: the run folder's name)")
+    common.add_argument("--name", help="the job's name (default: the run folder's name, or the swarm's)")
     common.add_argument(
-        "--port",
+        "--port", type=int, help=f"the coordinator's port (default {DEFAULT_COORDINATOR_PORT})"
+    )
+    common.add_argument(
+        "--parallel",
         type=int,
-        default=DEFAULT_COORDINATOR_PORT,
-        help="the coordinator's port (default %(default)s)",
+        metavar="P",
+        help="with --swarm: at most P proxies at once (default: no limit)",
+    )
+    common.add_argument(
+        "--gpus-per-task",
+        type=int,
+        metavar="G",
+        help="with --swarm: devices per proxy (default 1; 0: CPU only)",
+    )
+    common.add_argument(
+        "--cpus-per-task", type=int, metavar="C", help="CPUs per task (SLURM) or per proxy's pod (--swarm)"
     )
     common.add_argument("--output", "-o", metavar="FILE", help="write here instead of to stdout")
     common.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then more `tokenmill train` flags")
 
     jobset = kinds.add_parser(
-        "jobset", parents=[common], help="a Kubernetes JobSet (jobset.x-k8s.io/v1alpha2) and its ConfigMap"
+        "jobset",
+        parents=[common],
+        help="a Kubernetes JobSet (jobset.x-k8s.io/v1alpha2) and its ConfigMap; with --swarm, an Indexed Job",
     )
     jobset.add_argument("--image", required=True, help="a container image with tokenmill installed")
     jobset.add_argument(
         "--volume", action="append", default=[], metavar="CLAIM:MOUNT",
-        help="mount a PersistentVolumeClaim in every pod; the run folder must be on one (repeatable)",
+        help="mount a PersistentVolumeClaim in every pod; the run folder (or the swarm) must be on one "
+        "(repeatable)",
     )  # fmt: skip
     jobset.add_argument("--namespace", help="the namespace (default: kubectl's)")
     jobset.add_argument(
@@ -371,20 +598,54 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     jobset.add_argument("--workdir", default="/opt/tokenmill", help="where relative paths of the run resolve")
     jobset.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE")
-    jobset.add_argument("--max-restarts", type=int, default=3, help="JobSet restarts after a failure")
+    jobset.add_argument(
+        "--max-restarts", type=int, default=3,
+        help="JobSet restarts after a failure; with --swarm, retries of each proxy's pod (default 3)",
+    )  # fmt: skip
     jobset.set_defaults(handler=_launch_jobset)
 
-    slurm = kinds.add_parser("slurm", parents=[common], help="a SLURM batch script (sbatch)")
+    slurm = kinds.add_parser(
+        "slurm", parents=[common], help="a SLURM batch script (sbatch); with --swarm, an array"
+    )
     slurm.add_argument("--partition")
     slurm.add_argument("--account")
-    slurm.add_argument("--time", dest="time_limit", metavar="D-HH:MM:SS")
-    slurm.add_argument("--cpus-per-task", type=int)
+    slurm.add_argument(
+        "--time", dest="time_limit", metavar="D-HH:MM:SS", help="the job's (with --swarm: each task's)"
+    )
     slurm.add_argument("--chdir", help="run from here (default: where sbatch was called)")
     slurm.add_argument(
         "--setup", help="a shell line run first on the batch host, e.g. 'source .venv/bin/activate'"
     )
     slurm.set_defaults(handler=_launch_slurm)
     parser.set_defaults(handler=lambda args: parser.print_help() or 2)
+
+
+#: Flags of one form only, as (attribute, flag): given with the other form, they are refused, not ignored.
+RUN_ONLY = (
+    ("nodes", "--nodes"),
+    ("devices_per_node", "--devices-per-node"),
+    ("processes_per_node", "--processes-per-node"),
+    ("port", "--port"),
+    ("train_args", "-- FLAGS"),
+)
+SWARM_ONLY = (("parallel", "--parallel"), ("gpus_per_task", "--gpus-per-task"))
+
+
+def _is_swarm(args: argparse.Namespace) -> bool:
+    """Which form the command line asks for: --swarm (a job array) or --config (one multi-host run)."""
+    if (args.config is None) == (args.swarm is None):
+        raise UsageError(
+            "give --config FILE (one run on several machines) or --swarm DIR (a swarm's proxies as one job "
+            "array)" + (", not both" if args.config else "")
+        )
+    wrong = SWARM_ONLY if args.config else RUN_ONLY
+    given = [flag for attribute, flag in wrong if getattr(args, attribute) not in (None, [])]
+    if given:
+        form = "--swarm" if args.config else "--config"
+        raise UsageError(f"{', '.join(given)}: only with {form}")
+    if args.config and args.nodes is None:
+        raise UsageError("--config needs --nodes: the machines the run takes")
+    return args.swarm is not None
 
 
 def _launch_of(args: argparse.Namespace) -> Launch:
@@ -394,12 +655,17 @@ def _launch_of(args: argparse.Namespace) -> Launch:
     return plan_launch(
         args.config,
         args.nodes,
-        args.devices_per_node,
-        args.processes_per_node,
+        DEFAULT_DEVICES_PER_NODE if args.devices_per_node is None else args.devices_per_node,
+        DEFAULT_PROCESSES_PER_NODE if args.processes_per_node is None else args.processes_per_node,
         args.name,
-        args.port,
+        DEFAULT_COORDINATOR_PORT if args.port is None else args.port,
         tuple(extra),
     )
+
+
+def _swarm_launch_of(args: argparse.Namespace) -> SwarmLaunch:
+    devices = 1 if args.gpus_per_task is None else args.gpus_per_task
+    return plan_swarm_launch(args.swarm, args.name, args.parallel, devices, args.cpus_per_task)
 
 
 def _emit(text: str, output: str | None, what: str) -> None:
@@ -410,26 +676,55 @@ def _emit(text: str, output: str | None, what: str) -> None:
         sys.stdout.write(text)
 
 
-def _launch_jobset(args: argparse.Namespace) -> int:
-    launch = _launch_of(args)
+def _volumes(args: argparse.Namespace) -> list[tuple[str, str]]:
     volumes = []
     for item in args.volume:
         claim, _, mount = item.partition(":")
         if not claim or not mount.startswith("/"):
             raise UsageError(f"--volume {item!r}: expected CLAIM:/MOUNT/PATH")
         volumes.append((claim, mount.rstrip("/") or "/"))
-    output = launch.output if launch.output.startswith("/") else f"{args.workdir.rstrip('/')}/{launch.output}"
-    if not any(output == mount or output.startswith(mount.rstrip("/") + "/") for _, mount in volumes):
+    return volumes
+
+
+def _on_a_volume(path: str, workdir: str, volumes: Sequence[tuple[str, str]], what: str, why: str) -> str:
+    """`path` as the pods see it (relative paths resolve in `workdir`); UsageError when no volume holds it,
+    saying `what` it is and `why` every pod needs it."""
+    inside = path if path.startswith("/") else f"{workdir.rstrip('/')}/{path}"
+    inside = inside.rstrip("/") or "/"
+    if not any(inside == mount or inside.startswith(mount.rstrip("/") + "/") for _, mount in volumes):
         raise UsageError(
-            f"the run folder {output} is on no --volume: every pod writes the run's checkpoints there and a "
-            "restarted job resumes from them, so it must be a volume all pods share (--volume CLAIM:MOUNT)"
+            f"{what} {inside} is on no --volume: {why}, so it must be a volume all pods share "
+            "(--volume CLAIM:MOUNT)"
         )
+    return inside
+
+
+def _node_selector(args: argparse.Namespace) -> dict[str, str]:
     selector = {}
     for item in args.node_selector:
         key, sep, value = item.partition("=")
         if not sep:
             raise UsageError(f"--node-selector {item!r}: expected KEY=VALUE")
         selector[key] = value
+    return selector
+
+
+def _launch_jobset(args: argparse.Namespace) -> int:
+    if _is_swarm(args):
+        return _launch_swarm_job(args)
+    if args.cpus_per_task:
+        raise UsageError(
+            "--cpus-per-task: for a JobSet, only with --swarm (a multi-host pod takes its machine)"
+        )
+    launch = _launch_of(args)
+    volumes = _volumes(args)
+    _on_a_volume(
+        launch.output,
+        args.workdir,
+        volumes,
+        "the run folder",
+        "every pod writes the run's checkpoints there and a restarted job resumes from them",
+    )
     objects = jobset_manifest(
         launch,
         args.image,
@@ -437,14 +732,48 @@ def _launch_jobset(args: argparse.Namespace) -> int:
         args.namespace,
         args.device_resource,
         args.workdir,
-        selector,
+        _node_selector(args),
         args.max_restarts,
     )
     _emit(jobset_yaml(objects, launch), args.output, f"JobSet {launch.name}, {launch.processes} processes")
     return 0
 
 
+def _launch_swarm_job(args: argparse.Namespace) -> int:
+    launch = _swarm_launch_of(args)
+    volumes = _volumes(args)
+    _on_a_volume(
+        launch.swarm,
+        args.workdir,
+        volumes,
+        "the swarm",
+        "every pod reads swarm.json there and trains its proxy into it (run folder, result.json)",
+    )
+    job = swarm_job_manifest(
+        launch,
+        args.image,
+        volumes,
+        args.namespace,
+        args.device_resource,
+        args.workdir,
+        _node_selector(args),
+        args.max_restarts,
+    )
+    _emit(swarm_job_yaml(job, launch), args.output, f"Indexed Job {launch.name}, {launch.tasks} proxies")
+    return 0
+
+
 def _launch_slurm(args: argparse.Namespace) -> int:
+    if _is_swarm(args):
+        launch = _swarm_launch_of(args)
+        script = swarm_slurm_script(
+            launch, args.partition, args.account, args.time_limit, args.chdir, args.setup
+        )
+        # sbatch opens each task's output file before the task starts, and fails the task if its folder is
+        # missing: make it now.
+        storage.make_dirs(storage.join(launch.swarm, SWARM_LOGS))
+        _emit(script, args.output, f"SLURM array {launch.name}, {launch.tasks} proxies")
+        return 0
     launch = _launch_of(args)
     script = slurm_script(
         launch, args.partition, args.account, args.time_limit, args.chdir, args.setup, args.cpus_per_task

@@ -43,8 +43,9 @@ from typing import Any
 from tokenmill import storage
 from tokenmill.formats.runs import CONFIG, METRICS, read_run_record
 from tokenmill.reports.inputs import InputError
+from tokenmill.reports.render import is_earlier_page
 from tokenmill.reports.runpage import LiveStatus, RunInputs, build_run, parse_metrics, read_ladder
-from tokenmill.reports.site import is_earlier_page, render_run_page
+from tokenmill.reports.site import render_run_page
 
 log = logging.getLogger(__name__)
 
