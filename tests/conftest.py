@@ -1,11 +1,15 @@
-"""Shared fixtures: the repository paths and a way to run `tokenmill` commands in-process."""
+"""Shared fixtures: the repository paths, a way to run `tokenmill` commands in-process, and one JAX compilation
+cache for the session."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -15,6 +19,26 @@ import zstandard
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "data" / "sample"
 WEB_RECIPE = REPO / "configs" / "curate" / "web.yaml"
+
+
+def _share_compiled_programs() -> None:
+    """JAX's persistent compilation cache in a new folder for this session, for this process and every
+    process it starts (`tokenmill train`, the swarm's workers): a program that many tests compile the same
+    (the tiny model's train and eval steps, under other settings) is compiled once and loaded after.
+
+    A cached executable is the one XLA would have compiled again (its key is the program and the options),
+    so no test sees other numbers; the folder starts empty, so a session never reuses an earlier one's work.
+    The swarm's workers use the same cache in production (tokenmill.swarm.runner). A JAX_COMPILATION_CACHE_DIR
+    set by the caller is left as it is. Set here, at import, because jax reads these when it is imported."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    folder = tempfile.mkdtemp(prefix="tokenmill-tests-xla-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+
+_share_compiled_programs()
 
 
 @pytest.fixture(scope="session")

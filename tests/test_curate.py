@@ -310,8 +310,9 @@ def test_a_killed_run_rerun_ends_like_a_clean_run(sample_run, tmp_path):
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert not (output / "stats.json").exists() or tree_bytes(output) == tree_bytes(clean)
-    # The rerun over what the killed process left, in this process (no second interpreter and imports).
-    curate(output, str(SAMPLE / "*"), workers=2, overwrite=True)
+    # The rerun over what the killed process left: in this process, on one worker (a third of the time of
+    # two worker processes here; the bytes do not depend on the worker count, as the rerun test above shows).
+    curate(output, str(SAMPLE / "*"), workers=1, overwrite=True)
     assert tree_bytes(output) == tree_bytes(clean)
 
 

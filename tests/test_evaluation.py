@@ -29,6 +29,9 @@ from tokenmill.trainer.model.sharding import make_mesh
 from tokenmill.trainer.run.evaluate import Evaluator, with_dispatch
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny.yaml"
+#: Unoptimised CPU code generation for the reference programs compiled here (run once each, on tiny
+#: shapes): compiling at LLVM's default level took about twice as long.
+QUICK_COMPILE = {"xla_backend_optimization_level": 0}
 ACCENTS = ["café", "naïve", "Zürich", "façade", "smörgåsbord", "日本語", "Ελληνικά", "—", "½"]
 
 
@@ -129,9 +132,8 @@ def test_sequences_are_whole_documents_in_round_robin_with_bytes_of_the_text(cor
 
 def reference_sums(params, bias, model_cfg, sequences) -> float:
     """Summed nll of a set's scored tokens: the model's plain forward (logits), log-softmax in float64."""
-    logits, _ = transformer.forward(
-        params, bias, sequences.tokens[:, :-1], sequences.segment_ids[:, :-1], model_cfg
-    )
+    forward = jax.jit(lambda *args: transformer.forward(*args, model_cfg), compiler_options=QUICK_COMPILE)
+    logits, _ = forward(params, bias, sequences.tokens[:, :-1], sequences.segment_ids[:, :-1])
     logits = np.asarray(logits, np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
@@ -143,7 +145,9 @@ def test_one_evaluation_matches_an_independent_forward_and_the_text_bytes(corpus
     model_cfg = load_model_config(TINY)
     plan, tokens = corpus["plan"], corpus["tokens"]
     sets = load_sequences(plan, str(tokens), 32, 5)
-    params = transformer.init_params(jax.random.key(3), model_cfg)
+    params = jax.jit(lambda key: transformer.init_params(key, model_cfg), compiler_options=QUICK_COMPILE)(
+        jax.random.key(3)
+    )
     bias = jax.random.normal(jax.random.key(4), (model_cfg.n_layers, model_cfg.moe.n_experts)) * 0.1
     mesh = make_mesh((1, 1, 1))
     with jax.set_mesh(mesh):

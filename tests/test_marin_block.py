@@ -24,6 +24,10 @@ from tokenmill.trainer.run.loop import train
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 QUANTILE_BINS = 64  # few bins, so fp32 vs float64 rounding never moves a margin across a bin edge
+#: Unoptimised CPU code generation for the programs compiled here, which run a few times on tiny shapes:
+#: compiling at LLVM's default level took about twice as long (test_expert_parallel.py sets the same level
+#: for its processes). The results differ from the default level's in the last bit at most.
+QUICK_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def marin_block_config(dispatch: str = "dropless") -> ModelConfig:
@@ -239,7 +243,8 @@ def test_block_matches_the_numpy_reference(dispatch):
     reference = as_float64(params)
     for layer in range(cfg.n_layers):  # 0: local, half RoPE, 2 KV heads; 1: global (last), NoPE, 1 KV head
         run = jax.jit(
-            lambda p, x, b, layer=layer: transformer.layer_forward(p, x, jnp.asarray(seg), b, cfg, layer)
+            lambda p, x, b, layer=layer: transformer.layer_forward(p, x, jnp.asarray(seg), b, cfg, layer),
+            compiler_options=QUICK_COMPILE,
         )
         out, stats = run(transformer.layer_params(params, cfg, layer), x, bias[layer])
         expected, next_bias, load = np_layer(
@@ -261,12 +266,12 @@ def test_model_loss_with_the_final_logit_z_loss_matches_the_numpy_reference():
     params, bias = fixed_weights(cfg, seed=1)
     tokens = jax.random.randint(jax.random.key(3), (2, cfg.sequence_length + 1), 0, cfg.vocab_size)
     seg = np.concatenate([segments(2, cfg.sequence_length), segments(2, cfg.sequence_length)[:, -1:]], axis=1)
-    objective, (cross_entropy, _) = jax.jit(lambda p, b, t, s: transformer.loss_fn(p, b, t, s, cfg))(
-        params, bias, tokens, jnp.asarray(seg)
-    )
-    logits, _ = jax.jit(lambda p, b, t, s: transformer.forward(p, b, t, s, cfg))(
-        params, bias, tokens[:, :-1], jnp.asarray(seg[:, :-1])
-    )
+    objective, (cross_entropy, _) = jax.jit(
+        lambda p, b, t, s: transformer.loss_fn(p, b, t, s, cfg), compiler_options=QUICK_COMPILE
+    )(params, bias, tokens, jnp.asarray(seg))
+    logits, _ = jax.jit(
+        lambda p, b, t, s: transformer.forward(p, b, t, s, cfg), compiler_options=QUICK_COMPILE
+    )(params, bias, tokens[:, :-1], jnp.asarray(seg[:, :-1]))
     ref_logits, ref_ce, ref_objective = np_loss(
         as_float64(params), np.asarray(bias), np.asarray(tokens), seg, cfg
     )
@@ -281,7 +286,9 @@ def test_documents_stay_apart_with_every_piece_on():
     params, bias = fixed_weights(cfg, seed=2)
     seg = jnp.asarray(segments(2, cfg.sequence_length))
     tokens = jax.random.randint(jax.random.key(4), (2, cfg.sequence_length), 0, cfg.vocab_size)
-    forward = jax.jit(lambda t: transformer.forward(params, bias, t, seg, cfg)[0])
+    forward = jax.jit(
+        lambda t: transformer.forward(params, bias, t, seg, cfg)[0], compiler_options=QUICK_COMPILE
+    )
     # Rewrite the last token of row 0's first document (position 4): SConv's taps and attention reach
     # positions 5.. only if they cross the boundary.
     changed = tokens.at[0, 4].set((tokens[0, 4] + 1) % cfg.vocab_size)
@@ -293,7 +300,9 @@ def test_documents_stay_apart_with_every_piece_on():
 
 def test_init_and_every_parameter_gets_a_gradient_from_it():
     cfg = marin_block_config()
-    params = jax.jit(lambda key: transformer.init_params(key, cfg))(jax.random.key(0))
+    params = jax.jit(lambda key: transformer.init_params(key, cfg), compiler_options=QUICK_COMPILE)(
+        jax.random.key(0)
+    )
     layer = transformer.layer_params(params, cfg, 0)
     # The attention gate starts at 1 (W_gate = 0) and SConv as the identity (tap 0 = 1).
     assert not np.any(np.asarray(layer["attn"]["gate"]))
@@ -309,7 +318,11 @@ def test_init_and_every_parameter_gets_a_gradient_from_it():
     bias = transformer.init_router_bias(cfg)
     tokens = jax.random.randint(jax.random.key(5), (2, cfg.sequence_length + 1), 0, cfg.vocab_size)
     seg = jnp.zeros_like(tokens)
-    grads = jax.jit(jax.grad(lambda p: transformer.loss_fn(p, bias, tokens, seg, cfg)[0]))(params)
+
+    def loss(p):
+        return transformer.loss_fn(p, bias, tokens, seg, cfg)[0]
+
+    grads = jax.jit(jax.grad(loss), compiler_options=QUICK_COMPILE)(params)
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     silent = [jax.tree_util.keystr(path) for path, grad in flat if not np.any(np.asarray(grad))]
     assert not silent, silent

@@ -34,12 +34,29 @@ SAMPLE_COUNTS = {
         "domain=c02/quality=3": {"tokens": 10_000, "documents": 9, **HELD},
     },
 }
+#: The search demo's cells (mixtures/demo-search.yaml): every domain the sample's classifier finds, four
+#: large ones and six small ones, at every quality bucket.
+SEARCH_COUNTS = {
+    **SAMPLE_COUNTS,
+    "cells": {
+        f"domain=c{domain:02d}/quality={q}": {"tokens": size // 5, "documents": 9, **HELD}
+        for domain, size in enumerate([120_000, 90_000, 70_000, 60_000] + [6_000] * 6)
+        for q in range(5)
+    },
+}
 
 
 @pytest.fixture
 def counts_file(tmp_path: Path) -> str:
     path = tmp_path / "counts.json"
     path.write_text(json.dumps(SAMPLE_COUNTS))
+    return str(path)
+
+
+@pytest.fixture
+def search_counts_file(tmp_path: Path) -> str:
+    path = tmp_path / "search-counts.json"
+    path.write_text(json.dumps(SEARCH_COUNTS))
     return str(path)
 
 
@@ -53,8 +70,10 @@ def test_check_every_shipped_mixture(capsys, counts_file):
 
 
 @pytest.mark.parametrize("path", sorted(MIXTURES.glob("*.yaml")), ids=lambda p: p.name)
-def test_plan_every_shipped_mixture(capsys, counts_file, path):
-    extra = ["--counts", counts_file] if path.name == "demo.yaml" else []
+def test_plan_every_shipped_mixture(capsys, counts_file, search_counts_file, path):
+    # The demo's mixtures plan against the demo's token counts; the others carry their own.
+    counts = {"demo.yaml": counts_file, "demo-search.yaml": search_counts_file}.get(path.name)
+    extra = ["--counts", counts] if counts else []
     assert main(["mixture", "plan", str(path), "--json", *extra]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["name"] == path.stem

@@ -31,12 +31,22 @@ def tiny(n_layers: int = 2, **moe_overrides) -> ModelConfig:
     )
 
 
+#: Unoptimised CPU code generation for the model programs compiled here, which run once or twice on tiny
+#: shapes: compiling at LLVM's default level took about twice as long (test_expert_parallel.py sets the
+#: same level for its processes). The results differ from the default level's in the last bit at most.
+QUICK_COMPILE = {"xla_backend_optimization_level": 0}
+
+
 def init(cfg: ModelConfig, seed: int = 0):
-    return jax.jit(lambda key: transformer.init_params(key, cfg))(jax.random.key(seed))
+    return jax.jit(lambda key: transformer.init_params(key, cfg), compiler_options=QUICK_COMPILE)(
+        jax.random.key(seed)
+    )
 
 
 def forward(cfg: ModelConfig, params, bias, tokens, segments):
-    return jax.jit(lambda p, b, t, s: transformer.forward(p, b, t, s, cfg))(params, bias, tokens, segments)
+    return jax.jit(lambda p, b, t, s: transformer.forward(p, b, t, s, cfg), compiler_options=QUICK_COMPILE)(
+        params, bias, tokens, segments
+    )
 
 
 def random_batch(cfg: ModelConfig, batch: int = 2, seed: int = 1):
@@ -73,7 +83,10 @@ def test_bf16_compute_keeps_fp32_params_and_close_loss():
     bias = transformer.init_router_bias(cfg)
 
     def loss(dtype):
-        return jax.jit(lambda p: transformer.loss_fn(p, bias, tokens, segments, cfg, dtype)[1][0])(params)
+        return jax.jit(
+            lambda p: transformer.loss_fn(p, bias, tokens, segments, cfg, dtype)[1][0],
+            compiler_options=QUICK_COMPILE,
+        )(params)
 
     loss32, loss16 = loss(jnp.float32), loss(jnp.bfloat16)
     assert abs(float(loss32) - float(loss16)) < 0.05
@@ -87,9 +100,10 @@ def test_capacity_and_dropless_agree_when_nothing_is_dropped():
     bias = transformer.init_router_bias(roomy)
 
     def loss_and_grad(cfg):
-        return jax.jit(jax.value_and_grad(lambda p: transformer.loss_fn(p, bias, tokens, segments, cfg)[0]))(
-            params
-        )
+        return jax.jit(
+            jax.value_and_grad(lambda p: transformer.loss_fn(p, bias, tokens, segments, cfg)[0]),
+            compiler_options=QUICK_COMPILE,
+        )(params)
 
     (loss_a, grad_a), (loss_b, grad_b) = loss_and_grad(roomy), loss_and_grad(dropless)
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
@@ -174,7 +188,10 @@ def test_router_bias_receives_no_gradient():
     params = init(cfg)
     tokens, segments = random_batch(cfg)
     bias = jax.random.normal(jax.random.key(3), (cfg.n_layers, cfg.moe.n_experts))
-    grad = jax.jit(jax.grad(lambda b: transformer.loss_fn(params, b, tokens, segments, cfg)[0]))(bias)
+    grad = jax.jit(
+        jax.grad(lambda b: transformer.loss_fn(params, b, tokens, segments, cfg)[0]),
+        compiler_options=QUICK_COMPILE,
+    )(bias)
     assert not np.any(np.asarray(grad))
 
 
@@ -197,13 +214,15 @@ def test_sliding_window_sees_only_recent_tokens():
     segments = jnp.zeros((1, cfg.sequence_length), jnp.int32)
     x2 = x.at[:, 0].add(1.0)
     window = cfg.window(0)
-    local = jax.jit(lambda x: transformer.attention(attn, x, segments, cfg, 0))
+    local = jax.jit(
+        lambda x: transformer.attention(attn, x, segments, cfg, 0), compiler_options=QUICK_COMPILE
+    )
     a, b = local(x), local(x2)
     np.testing.assert_allclose(a[:, window:], b[:, window:], atol=1e-6)
     assert not np.allclose(a[:, window - 1], b[:, window - 1])
     # Global attention (layer 1) does see the first token from everywhere.
     assert cfg.window(1) is None
-    full = jax.jit(lambda x: transformer.attention(attn, x, segments, cfg, 1))
+    full = jax.jit(lambda x: transformer.attention(attn, x, segments, cfg, 1), compiler_options=QUICK_COMPILE)
     g_a, g_b = full(x), full(x2)
     assert not np.allclose(g_a[:, -1], g_b[:, -1])
 

@@ -6,6 +6,7 @@ hyperball) written from the formulas, not from tokenmill's code."""
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -26,6 +27,11 @@ from tokenmill.trainer.run.optim import (
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "configs" / "models"
+
+#: Unoptimised CPU code generation for the programs compiled here, which run a few times on tiny shapes:
+#: compiling at LLVM's default level took about twice as long (test_expert_parallel.py sets the same level
+#: for its processes). The results differ from the default level's in the last bit at most.
+QUICK_COMPILE = {"xla_backend_optimization_level": 0}
 
 # Marin's "quintic" coefficient schedule, typed here from levanter.optim.util for the reference.
 QUINTIC = [
@@ -61,8 +67,34 @@ def reference_muonh(
     return w
 
 
+#: Draws of at most this many values come from one compiled program (`random`).
+_DRAW = 1 << 13
+
+
+@functools.cache
+def _draw(seed: int) -> np.ndarray:
+    return np.asarray(jax.random.normal(jax.random.key(seed), (_DRAW,), jnp.float32))
+
+
 def random(shape: tuple[int, ...], seed: int) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    """jax.random.normal(key(seed), shape), value for value: threefry's counters are partitionable (each
+    value depends on its flat index alone), so a shape's values are the first ones of a longer draw. One
+    compiled draw serves every shape here; each new shape would otherwise compile its own (0.2-0.7 s)."""
+    size = math.prod(shape)
+    if size > _DRAW:
+        return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    return jnp.asarray(_draw(seed)[:size].reshape(shape))
+
+
+# Whole trees in one compiled program each: an op outside jit compiles once per leaf shape (about 20 here).
+@jax.jit
+def scaled(tree, factor: float):
+    return jax.tree.map(lambda leaf: factor * leaf, tree)
+
+
+@jax.jit
+def plus(tree, updates):
+    return jax.tree.map(jnp.add, tree, updates)
 
 
 # -- Newton-Schulz -----------------------------------------------------------------------------------------
@@ -157,10 +189,12 @@ def test_muonh_matches_an_independent_reference_and_stays_on_the_hyperball():
     lrs = [0.02, 0.05, 0.01, 0.03]
     history = []
     for step, lr in enumerate(lrs):
-        grads = jax.tree.map(lambda x, s=step: random(x.shape, 100 + s) * 5.0, params)
+        grads = scaled(jax.tree.map(lambda x, s=step: random(x.shape, 100 + s), params), 5.0)
         history.append(grads)
-        updates, state = jax.jit(tx.update)(grads, state, params, learning_rate=lr)
-        params = jax.tree.map(lambda p, u: p + u, params, updates)
+        updates, state = jax.jit(tx.update, compiler_options=QUICK_COMPILE)(
+            grads, state, params, learning_rate=lr
+        )
+        params = plus(params, updates)
     start = params_like_marin()
     wq = reference_muonh(
         np.asarray(first_layer(start)["attn"]["wq"], np.float64),
@@ -298,8 +332,12 @@ def params_with_two_groups() -> dict:
 
     def position(seed: int, repeats: int) -> dict:
         layer = params_like_marin()["layers"][0][0]
+        # In NumPy (the same float32 products): eager jnp ops would compile once per leaf shape.
         return jax.tree.map(
-            lambda leaf: jnp.concatenate([leaf * (1 + 0.1 * (seed + r)) for r in range(repeats)]), layer
+            lambda leaf: jnp.asarray(
+                np.concatenate([np.asarray(leaf) * (1 + 0.1 * (seed + r)) for r in range(repeats)])
+            ),
+            layer,
         )
 
     start = params_like_marin()
@@ -327,18 +365,22 @@ def test_layer_by_layer_update_equals_the_rule_on_the_whole_tree(kind, clip_norm
     whole, state = params, whole_rule.init(params)
     by_slice, slice_state = params, layerwise.init(params)
     assert jax.tree.leaves(slice_state["layers"][0])[0].shape[0] == 3  # every leaf stacked, counts too
-    apply = jax.jit(layerwise.apply)
+    apply = jax.jit(layerwise.apply, compiler_options=QUICK_COMPILE)
+    whole_update = jax.jit(whole_rule.update, compiler_options=QUICK_COMPILE)
     for step, lr in enumerate([0.02, 0.05, 0.01]):
-        grads = jax.tree.map(lambda x, s=step: random(x.shape, 200 + s) * 4.0, params)
-        updates, state = jax.jit(whole_rule.update)(grads, state, whole, learning_rate=lr)
-        whole = jax.tree.map(lambda p, u: p + u, whole, updates)
+        grads = scaled(jax.tree.map(lambda x, s=step: random(x.shape, 200 + s), params), 4.0)
+        updates, state = whole_update(grads, state, whole, learning_rate=lr)
+        whole = plus(whole, updates)
         # The sum of two microbatches' gradients and a scale of 1/2: the same mean gradient.
-        doubled = jax.tree.map(lambda g: 2.0 * g, grads)
+        doubled = scaled(grads, 2.0)
         by_slice, slice_state, grad_norm = apply(doubled, slice_state, by_slice, lr, 0.5)
-        assert float(grad_norm) == pytest.approx(float(optax_norm(grads)), rel=1e-5)
+        assert float(grad_norm) == pytest.approx(float(jax.jit(optax_norm)(grads)), rel=1e-5)
     for path, a, b in zip(paths(whole), jax.tree.leaves(by_slice), jax.tree.leaves(whole), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=path)
-    moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(params)))
+    moved = max(
+        float(np.abs(np.asarray(a) - np.asarray(b)).max())
+        for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(params))
+    )
     assert moved > 1e-3
 
 

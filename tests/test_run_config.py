@@ -176,8 +176,12 @@ def test_shipped_run_configurations_are_valid(path, monkeypatch):
     monkeypatch.chdir(REPO)  # their paths are relative to the repository's root
     raw = yaml.safe_load(path.read_text())
     run = build_run_config(read_run_config_file(str(path)))
-    assert run.model is not None and run.output and Path(raw["model"]).exists()
-    assert load_mixture(run.data.mixture).name
+    assert run.model is not None and Path(raw["model"]).exists()
+    if path.name == "swarm-proxy.yaml":
+        # The proxy template of a mixture search: `tokenmill mixture swarm` sets each proxy's folder and mixture.
+        assert run.output is None and run.data.mixture is None and run.data.tokens
+        return
+    assert run.output and load_mixture(run.data.mixture).name
 
 
 def test_the_marin_rung_trains_with_the_ladders_optimizer(monkeypatch):
