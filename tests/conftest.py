@@ -1,5 +1,5 @@
-"""Shared fixtures: the repository paths, a way to run `tokenmill` commands in-process, and one JAX compilation
-cache for the session."""
+"""Shared fixtures: the repository paths, a way to run `tokenmill` commands in-process, and one JAX
+compilation cache for the session."""
 
 from __future__ import annotations
 

@@ -178,7 +178,7 @@ def test_shipped_run_configurations_are_valid(path, monkeypatch):
     run = build_run_config(read_run_config_file(str(path)))
     assert run.model is not None and Path(raw["model"]).exists()
     if path.name == "swarm-proxy.yaml":
-        # The proxy template of a mixture search: `tokenmill mixture swarm` sets each proxy's folder and mixture.
+        # A mixture search's proxy template: `tokenmill mixture swarm` sets each proxy's folder and mixture.
         assert run.output is None and run.data.mixture is None and run.data.tokens
         return
     assert run.output and load_mixture(run.data.mixture).name
