@@ -31,11 +31,14 @@ swarm: install
 browser:
 	@bash scripts/install_browser.sh
 
+# One pytest worker per core (at most 4), a test file's tests on one worker so its module fixtures are made once.
+PARALLEL := -n auto --maxprocesses 4 --dist loadfile
+
 test: install browser
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -m "not slow" -q $(PARALLEL)
 
 test-slow: install browser
-	$(BIN)/python -m pytest -m slow -q
+	$(BIN)/python -m pytest -m slow -q $(PARALLEL)
 
 # A new virtual environment with `pip install .` alone (no extras) curates the sample with every shipped
 # recipe, and a worker's install of the shipped wheel curates too (tests/test_clean_install.py; minutes).
@@ -43,7 +46,7 @@ test-install: install
 	$(BIN)/python -m pytest -m install -q tests/test_clean_install.py
 
 test-all: install browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PARALLEL)
 
 bench: install
 	$(BIN)/python scripts/run_benchmarks.py

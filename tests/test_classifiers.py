@@ -279,6 +279,18 @@ def _copies_across(train: list[tuple[str, str]], holdout: list[tuple[str, str]])
     return found
 
 
+def test_the_legal_text_comes_from_the_core_dependencies_only():
+    """What the dev, test and train extras install never joins the training text (it would change every
+    classifier and cell of the demo); the packages a plain install brings do."""
+    from tokenmill.samples.classifier_data import canonical_name, core_distributions
+
+    names = {canonical_name(distribution.metadata["Name"]) for distribution in core_distributions()}
+    assert {"datatrove", "spacy", "pyarrow", "jinja2", "pyyaml"} <= names  # direct and
+    assert {"thinc", "markupsafe"} <= names  # transitive requirements
+    installed_extras = {"pytest", "pytest-xdist", "ruff", "hypothesis", "selenium", "jax", "scikit-learn"}
+    assert not names & installed_extras and "tokenmill" not in names
+
+
 def test_the_held_out_split_has_no_copy_of_a_training_text():
     import random
 

@@ -6,7 +6,9 @@ classifier data and the two classifiers, the topic-domain model, `curate` with c
 mixtures/demo.yaml. Every output file's content checksum must equal tests/fixtures/sample-outputs.json.
 That file was last written during issue 20, which meant to change these outputs: the classifiers train on
 real text only (duplicates removed before the held-out split), mixed.yaml removes line-level boilerplate
-first, and the cells are topic domains (cNN) x quality.
+first, and the cells are topic domains (cNN) x quality. Issue 30 wrote it again when the classifier
+data's legal text came to be read from the core dependencies' license files only: it had read every
+installed distribution's, so installing a test tool (pytest-xdist) changed the classifiers and every cell.
 
 Checksums are of content, not bytes, where the bytes depend on a library's version rather than on what
 tokenmill wrote: a Parquet file by its schema (names and types) and rows, a .zst file by what it

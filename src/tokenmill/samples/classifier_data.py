@@ -9,8 +9,9 @@ Domain (`domain.jsonl`, field `label`), one rule per label:
   docstrings of common standard-library modules, 1 to 3 paragraphs a document.
 - code: chunks of 40 to 80 lines of the standard library's Python sources (tests excluded), at most one
   chunk per file.
-- legal: license texts: Python's LICENSE.txt and the license files that installed distributions ship in
-  their .dist-info folders (MIT, BSD, Apache, PSF, MPL, ...), cut into chunks of whole paragraphs.
+- legal: license texts: Python's LICENSE.txt and the license files that tokenmill's core dependencies
+  (what `pip install tokenmill` installs, no extras) ship in their .dist-info folders (MIT, BSD, Apache,
+  PSF, MPL, ...), cut into chunks of whole paragraphs.
 - other: text in languages other than English: the example sentences spaCy ships for each of its
   languages (spacy/lang/<code>/examples.py, read as data, not imported), 2 to 4 sentences a document.
 
@@ -27,8 +28,9 @@ classifier train` to remove before its held-out split and before calibration, wh
 Calibration mixes both qualities (70% as found, 30% corrupted as above) and keeps each document's
 domain, on which the quality score is cut into five buckets per domain.
 
-The same Python, installed packages and seed give the same bytes; another install gives other, equally
-valid text (what pydoc, the standard library and site-packages hold differs between versions).
+The same Python, versions of the core dependencies and seed give the same bytes, whatever else is
+installed; other versions give other, equally valid text (what pydoc, the standard library and the
+packages hold differs between versions).
 
     python -m tokenmill.samples.classifier_data --output data/classifiers
     (or scripts/make_classifier_data.py)
@@ -57,6 +59,7 @@ DOMAINS = ("code", "legal", "reference", "other")
 #: quality model judges).
 QUALITY_DOMAINS = ("code", "legal", "reference")
 LICENSE_NAME = re.compile(r"^(licen[cs]e|copying|notice)", re.IGNORECASE)
+REQUIREMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 #: Words in a legal chunk: whole paragraphs are joined up to about this many.
 LEGAL_CHUNK_WORDS = (40, 260)
 CALIBRATION_FRACTION = 1 / 3
@@ -93,16 +96,43 @@ def code_documents(rng: random.Random) -> list[str]:
     return documents
 
 
+def core_distributions() -> list[importlib.metadata.Distribution]:
+    """The distributions a plain `pip install tokenmill` installs: tokenmill's own requirements and theirs,
+    transitively, without any extra's. What else is installed (the dev, test and train extras, a tool
+    added by hand) must not change the training text: a test tool's license joining the legal pool
+    would change every classifier and every cell of the demo."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    queue = ["tokenmill"]
+    while queue:
+        name = canonical_name(queue.pop())
+        if name in found:
+            continue
+        try:
+            distribution = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # a requirement whose marker leaves it out here
+        found[name] = distribution
+        for requirement in distribution.requires or []:
+            requirement_name, _, marker = requirement.partition(";")
+            if "extra" in marker:
+                continue
+            queue.append(REQUIREMENT_NAME.match(requirement_name.strip()).group(0))
+    found.pop("tokenmill", None)
+    return [found[name] for name in sorted(found)]
+
+
+def canonical_name(name: str) -> str:
+    """A distribution's name as pip compares them (PEP 503: case, runs of -_. folded to one -)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def license_texts() -> list[str]:
-    """Python's LICENSE.txt and every license file of the installed distributions, by name."""
+    """Python's LICENSE.txt and the license files of tokenmill's core dependencies, by name."""
     texts = []
     python_license = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
     if python_license.exists():
         texts.append(python_license.read_text(errors="replace"))
-    distributions = sorted(
-        importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()
-    )
-    for distribution in distributions:
+    for distribution in core_distributions():
         for file in sorted(distribution.files or [], key=str):
             if ".dist-info" in str(file) and LICENSE_NAME.match(file.name):
                 try:
