@@ -11,6 +11,10 @@ The environment the clients get (`GcsEmulator.env`), and why:
 - GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: gcsfs otherwise asks the Storage Control gRPC API for each
   bucket's layout (zonal or hierarchical); the emulator speaks only the JSON API, so every lookup would
   fail and be retried. Plain buckets behave the same with or without it.
+- TENSORSTORE_GCS_HTTP_URL and GOOGLE_AUTH_TOKEN_FOR_TESTING: orbax reads and writes a checkpoint's
+  arrays through TensorStore's own GCS driver, not gcsfs. The first sends its requests to the emulator;
+  the second is TensorStore's fixed bearer token for tests: without it TensorStore looks for Application
+  Default Credentials and then waits on the GCE metadata server, which is not there (a restore hung).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class GcsEmulator:
             "STORAGE_EMULATOR_HOST": self.endpoint,
             "FSSPEC_GS_TOKEN": "anon",
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            "TENSORSTORE_GCS_HTTP_URL": self.endpoint,
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
         }
 
     def url(self, *parts: str) -> str:

@@ -369,9 +369,18 @@ def test_tokenmill_eval_reads_the_sets_from_gcs_as_from_disk(
         return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in path.open()]
 
     assert untimed(on_gcs) == untimed(on_disk) and len(untimed(on_disk)) > 2
+    # The run folder on gs:// too: its config.json and orbax checkpoint (arrays through TensorStore's GCS
+    # driver), the latest step when none is given.
+    remote_run = gcs.upload(straight_run, "evaluation", "run")
+    from_gcs, latest = tmp_path / "from-gcs.jsonl", tmp_path / "latest.jsonl"
+    argv = ["eval", remote_run, "--step", "4", "--tokens", remote_tokens, "--output", str(from_gcs)]
+    assert main(argv) == 0 and untimed(from_gcs) == untimed(on_disk)
+    assert main(["eval", remote_run, "--tokens", remote_tokens, "--output", str(latest)]) == 0
+    assert {row["step"] for row in untimed(latest)} == {8}
     mirrored = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_symlink())
     # counts.json and the held-out slices only: no training shard is fetched.
     assert "counts.json" in mirrored and "part-00000.bytes" in mirrored
     assert len(mirrored) == 1 + sum(
         1 for p in corpus["tokens"].rglob("*") if "heldout" in p.parts and p.is_file()
     )
+
