@@ -383,4 +383,3 @@ def test_tokenmill_eval_reads_the_sets_from_gcs_as_from_disk(
     assert len(mirrored) == 1 + sum(
         1 for p in corpus["tokens"].rglob("*") if "heldout" in p.parts and p.is_file()
     )
-
