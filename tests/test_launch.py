@@ -4,6 +4,7 @@ Indexed-Job rules, `bash -n`, #SBATCH lines), and by running the script against 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -241,3 +242,216 @@ def test_launch_quotes_what_it_writes(run_config, capsys):
     )
     srun = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("srun "))
     assert shlex.split(srun)[-2:] == ["--logging.wandb_project", "a b;c"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hostile values: run configurations come from other people's pull requests. What `tokenmill launch` writes
+# must pass each value on as data (one argument, one YAML scalar), or refuse it; never run it.
+
+#: Values a path, a name or a flag of a configuration might hold, each one line: shell (command
+#: substitution, quotes, separators, parameters) and YAML (keys, items, flow mappings, aliases, anchors,
+#: comments, tags). Each "would run" `touch PWNED`, or make a key or a document of its own.
+HOSTILE = [
+    "x$(touch PWNED)",
+    "`touch PWNED`",
+    "a'b\"c",
+    "a;touch PWNED",
+    "a&&touch PWNED",
+    "a|touch PWNED",
+    "key: value",
+    "- item",
+    "{a: 1}",
+    "*alias",
+    "&anchor",
+    "#comment",
+    "!!python/object/apply:os.system ['touch PWNED']",
+    "${HOME}",
+    "--help",
+]
+#: What breaks a line: of a shell script (newline), or of YAML too (carriage return, the separators).
+LINE_BREAKS = ["a\ntouch PWNED", "a\rtouch PWNED", "a\u2028touch PWNED", "a\u2029touch PWNED"]
+#: A flag's value may hold a newline: as one quoted word (one YAML scalar) it reaches `tokenmill train`
+#: whole, which is how a multi-line value is passed.
+MULTI_LINE_FLAG = "line one\ntouch PWNED\nTOKENMILL_RUN_CONFIG\n"
+
+
+def hostile_run_config(tmp_path: Path, value: str, output: str | None = None) -> Path:
+    """A run configuration whose file and run folder are both named `value` (folders where it has '/')."""
+    path = tmp_path / "configs" / f"{value}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {"output": f"runs/{value}" if output is None else output, "model": TINY, "seed": 7,
+                "data": {"synthetic": True, "batch_size": 32, "sequence_length": 64},
+                "mesh": {"data": 1, "fsdp": -1, "expert": 2}, "schedule": {"steps": 100}}  # fmt: skip
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def recording_srun(tmp_path: Path) -> Path:
+    """A folder holding an `srun` that writes its arguments, NUL-separated (a newline in one survives), to
+    $RECORD, and runs nothing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    srun = bin_dir / "srun"
+    srun.write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$RECORD"\n')
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def no_pwned(root: Path) -> None:
+    assert not list(root.rglob("PWNED")), "a hostile value ran"
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_slurm_passes_hostile_values_as_data(tmp_path, value):
+    """The run folder, the configuration's path, --chdir and the flags after `--` all hold `value`: the
+    script, run by bash as sbatch would, hands each to srun verbatim and runs none of them."""
+    run_config = hostile_run_config(tmp_path, value)
+    submit = tmp_path / "submit" / value
+    submit.mkdir(parents=True)
+    script_path = tmp_path / "job.sbatch"
+    argv = ["launch", "slurm", "--config", str(run_config), "--nodes", "1", f"--chdir={submit}",
+            "-o", str(script_path), "--", "--logging.wandb_project", value,
+            "--logging.wandb_entity", MULTI_LINE_FLAG]  # fmt: skip
+    assert main(argv) == 0
+    script = script_path.read_text()
+    subprocess.run(["bash", "-n", str(script_path)], check=True)
+    # The #SBATCH lines hold only what launch made of them (the name is a DNS label), whole.
+    options = sbatch_options(script)
+    assert DNS_LABEL.match(options["--job-name"])
+    assert options["--output"] == f"{options['--job-name']}-%j.out"
+
+    record = tmp_path / "srun.args"
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "PATH": f"{recording_srun(tmp_path)}:{os.environ['PATH']}", "RECORD": str(record),
+           "SLURM_JOB_ID": "77", "HOME": str(home)}  # fmt: skip
+    subprocess.run(["bash", str(script_path)], env=env, check=True, cwd=tmp_path)
+    no_pwned(tmp_path)
+    frozen = f"runs/{value}/launch-77.yaml"
+    assert record.read_text().split("\0")[:-1] == [
+        "--kill-on-bad-exit=1", "tokenmill", "train", "--config", frozen, "--mesh.distributed",
+        "--logging.wandb_project", value, "--logging.wandb_entity", MULTI_LINE_FLAG,
+    ]  # fmt: skip
+    # The configuration was written where srun was told to find it (the run folder, from --chdir), whole.
+    assert settings(submit / frozen) == settings(run_config)
+
+
+def test_slurm_here_document_cannot_be_closed_from_inside(run_config, tmp_path):
+    """The frozen configuration is a quoted here-document: a line of it equal to the delimiter would end it
+    and run what follows, so launch picks a delimiter no line of it is."""
+    from tokenmill.trainer.commands.launch import plan_launch, slurm_script
+
+    launch = plan_launch(str(run_config), 1, 8)
+    smuggled = launch.run_yaml + "TOKENMILL_RUN_CONFIG\ntouch PWNED\nTOKENMILL_RUN_CONFIG_\n"
+    script_path = tmp_path / "job.sbatch"
+    script_path.write_text(slurm_script(dataclasses.replace(launch, run_yaml=smuggled)))
+    env = {
+        **os.environ,
+        "PATH": f"{recording_srun(tmp_path)}:{os.environ['PATH']}",
+        "RECORD": str(tmp_path / "srun.args"),
+        "SLURM_JOB_ID": "5",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+    }
+    subprocess.run(["bash", str(script_path)], env=env, check=True, cwd=tmp_path)
+    no_pwned(tmp_path)
+    assert (tmp_path / "runs/tiny-Multi_Host/launch-5.yaml").read_text() == smuggled.rstrip("\n") + "\n"
+
+
+@pytest.mark.parametrize("flag", ["--partition", "--account", "--time"])
+# ("--help" is left out: `--partition=--help` is one word to sbatch, a partition of that name.)
+@pytest.mark.parametrize("value", [*HOSTILE[:-1], *LINE_BREAKS, "a b", "100%", "a\\b"])
+def test_slurm_refuses_what_an_sbatch_line_cannot_hold(run_config, tmp_path, capsys, flag, value):
+    """sbatch parses #SBATCH lines itself (blanks, '#', quotes, '%'): what it would misread is refused, the
+    message naming the flag and the value."""
+    out = tmp_path / "job.sbatch"
+    assert (
+        main(
+            [
+                "launch",
+                "slurm",
+                "--config",
+                str(run_config),
+                "--nodes",
+                "1",
+                f"{flag}={value}",
+                "-o",
+                str(out),
+            ]
+        )
+        == 2
+    )
+    assert f"{flag} {value!r}: an #SBATCH value may hold only" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", LINE_BREAKS)
+@pytest.mark.parametrize(
+    "scheduler", [["slurm"], ["jobset", "--image", "x", "--volume", "runs:/opt/tokenmill"]]
+)
+def test_launch_refuses_a_path_of_several_lines(tmp_path, capsys, scheduler, value):
+    """A line break in the run folder or the configuration's path would end the comment or the line it is
+    written in: refused, naming the field."""
+    base = ["launch", *scheduler, "--nodes", "1"]
+    run_config = hostile_run_config(tmp_path, "plain", output=f"runs/{value}")
+    assert main([*base, "--config", str(run_config)]) == 2
+    assert f"{run_config}: output: {'runs/' + value!r}: holds a line break" in capsys.readouterr().err
+    run_config = hostile_run_config(tmp_path, value, output="runs/plain")
+    assert main([*base, "--config", str(run_config)]) == 2
+    assert f"--config {str(run_config)!r}: holds a line break" in capsys.readouterr().err
+    if scheduler == ["slurm"]:
+        assert main([*base, "--config", str(hostile_run_config(tmp_path, "ok")), f"--chdir=/x/{value}"]) == 2
+        assert f"--chdir {'/x/' + value!r}: holds a line break" in capsys.readouterr().err
+
+
+def keys_of(node: object) -> set:
+    """Every mapping key anywhere in a loaded YAML document."""
+    if isinstance(node, dict):
+        return set(node).union(*(keys_of(value) for value in node.values()))
+    if isinstance(node, list):
+        return set().union(*(keys_of(item) for item in node))
+    return set()
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_jobset_writes_hostile_values_as_scalars(tmp_path, value):
+    """Image, namespace, volume claim and mount, node selector, run folder, the configuration's path and the
+    flags after `--` all hold `value`: the manifest loads back as exactly its two documents, each value where
+    it was put, verbatim, and nowhere a key."""
+    run_config = hostile_run_config(tmp_path, value)
+    mount = f"/opt/tokenmill/runs/{value}"  # the run folder, runs/VALUE in the workdir, is on it
+    claim = value.replace(":", "-")  # CLAIM:MOUNT splits at the first ':'
+    out = tmp_path / "jobset.yaml"
+    argv = ["launch", "jobset", "--config", str(run_config), "--nodes", "2", f"--image={value}",
+            f"--namespace={value}", f"--volume={claim}:{mount}", f"--node-selector=pool={value}",
+            "-o", str(out), "--", "--logging.wandb_project", value,
+            "--logging.wandb_entity", MULTI_LINE_FLAG]  # fmt: skip
+    assert main(argv) == 0
+    documents = list(yaml.safe_load_all(out.read_text()))
+    assert [document["kind"] for document in documents] == ["ConfigMap", "JobSet"]
+    config_map, jobset = documents
+    assert config_map["metadata"]["namespace"] == jobset["metadata"]["namespace"] == value
+    frozen = tmp_path / "frozen.yaml"
+    frozen.write_text(config_map["data"]["run.yaml"])
+    assert settings(frozen) == settings(run_config) and settings(frozen)["output"] == f"runs/{value}"
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == value and pod["nodeSelector"] == {"pool": value}
+    assert container["command"] == ["tokenmill", "train", "--config", "/etc/tokenmill/run.yaml",
+                                    "--mesh.distributed", "--logging.wandb_project", value,
+                                    "--logging.wandb_entity", MULTI_LINE_FLAG]  # fmt: skip
+    assert {"name": "volume-0", "mountPath": mount} in container["volumeMounts"]
+    assert {"name": "volume-0", "persistentVolumeClaim": {"claimName": claim}} in pod["volumes"]
+    assert not any(value in key for document in documents for key in keys_of(document))
+
+
+@pytest.mark.parametrize("value", LINE_BREAKS)
+@pytest.mark.parametrize(
+    ("flag", "given"),
+    [("--image", "{}"), ("--namespace", "{}"), ("--workdir", "/opt/{}"), ("--node-selector", "pool={}"),
+     ("--volume", "runs:/opt/tokenmill/{}")],
+)  # fmt: skip
+def test_jobset_refuses_values_of_several_lines(run_config, capsys, flag, given, value):
+    argv = ["launch", "jobset", "--config", str(run_config), "--nodes", "2", "--image", "x", "--volume",
+            "runs:/opt/tokenmill/runs", "--workdir", "/opt/tokenmill"]  # fmt: skip
+    assert main([*argv, f"{flag}={given.format(value)}"]) == 2
+    assert f"{flag} {given.format(value)!r}: holds a line break" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_launch import DNS_LABEL, sbatch_options
+from test_launch import DNS_LABEL, HOSTILE, LINE_BREAKS, keys_of, no_pwned, sbatch_options
 
 from tokenmill.cli import main
 from tokenmill.formats.swarm import (
@@ -41,13 +41,17 @@ def swarm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A swarm of three proxies in tmp_path/runs/swarm-Test (the working directory is tmp_path, as it is the
     directory a swarm is made and launched from); no tokens, no training."""
     monkeypatch.chdir(tmp_path)
-    root = tmp_path / SWARM_DIR
+    return make_swarm(tmp_path / SWARM_DIR, SWARM_DIR)
+
+
+def make_swarm(root: Path, folder: str) -> Path:
+    """A swarm of three proxies in `root`, which is `folder` from the working directory."""
     proxies = []
     for index in range(PROXIES):
         proxy_id = f"proxy-{index:03d}"
         (root / proxy_id).mkdir(parents=True)
         (root / proxy_id / "run.yaml").write_text(
-            f"output: {SWARM_DIR}/{proxy_id}/run\nmodel: configs/models/missing.yaml\n"
+            yaml.safe_dump({"output": f"{folder}/{proxy_id}/run", "model": "configs/models/missing.yaml"})
         )
         proxies.append(
             SwarmProxy(
@@ -304,3 +308,93 @@ def test_the_two_forms_exclude_each_other(swarm, capsys, argv, message):
     assert message in err, err
     if "--config" in argv and "--swarm" in argv:
         assert "not both" in err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hostile values (see test_launch.HOSTILE): a swarm's folder, and the flags around it, reach each task as
+# data, or are refused.
+
+
+def recording_python(tmp_path: Path) -> Path:
+    """A folder holding a `python` that writes its arguments, NUL-separated, to $RECORD, and runs nothing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    python = bin_dir / "python"
+    python.write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$RECORD"\n')
+    python.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_indexed_job_passes_a_hostile_swarm_folder_as_data(tmp_path, monkeypatch, value):
+    """The swarm's folder and --workdir hold `value`: the Job loads back as one document with them verbatim
+    (and nowhere a key), and its pod's command hands the folder to the worker as one argument."""
+    monkeypatch.chdir(tmp_path)
+    folder = f"runs/{value}"
+    make_swarm(tmp_path / folder, folder)
+    workdir = f"/opt/{value}"
+    out = tmp_path / "job.yaml"
+    argv = ["launch", "jobset", f"--swarm={folder}", "--image", "x", f"--workdir={workdir}",
+            f"--volume=runs:{workdir}/runs", "-o", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    documents = list(yaml.safe_load_all(out.read_text()))
+    assert [document["kind"] for document in documents] == ["Job"]
+    assert not any(value in key for key in keys_of(documents[0]))
+    (container,) = documents[0]["spec"]["template"]["spec"]["containers"]
+    assert container["workingDir"] == workdir
+    assert container["volumeMounts"] == [{"name": "volume-0", "mountPath": f"{workdir}/runs"}]
+
+    shell, flag, body = container["command"]
+    assert (shell, flag) == ("sh", "-c")
+    record = tmp_path / "python.args"
+    env = task_environment(JOB_COMPLETION_INDEX="1", RECORD=str(record))
+    env["PATH"] = f"{recording_python(tmp_path)}:{env['PATH']}"
+    subprocess.run(["sh", "-c", body], env=env, cwd=tmp_path, check=True)
+    no_pwned(tmp_path)
+    assert record.read_text().split("\0")[:-1] == ["-m", "tokenmill.swarm.worker", folder, "--index", "env"]
+
+
+def test_slurm_array_passes_what_an_sbatch_line_holds(tmp_path, monkeypatch):
+    """Every character SBATCH_VALUE lets through reaches the task as it was given."""
+    monkeypatch.chdir(tmp_path)
+    folder = "runs/a=b,c@d+e:f-g_h.i"
+    make_swarm(tmp_path / folder, folder)
+    script_path = tmp_path / "swarm.sbatch"
+    assert main(["launch", "slurm", "--swarm", folder, "--chdir", str(tmp_path), "-o", str(script_path)]) == 0
+    assert sbatch_options(script_path.read_text())["--output"] == f"{folder}/logs/%A_%a.out"
+    record = tmp_path / "python.args"
+    env = task_environment(SLURM_ARRAY_TASK_ID="0", RECORD=str(record))
+    env["PATH"] = f"{recording_python(tmp_path)}:{env['PATH']}"
+    subprocess.run(["bash", str(script_path)], env=env, cwd=tmp_path / "runs", check=True)
+    assert record.read_text().split("\0")[:-1] == ["-m", "tokenmill.swarm.worker", folder, "--index", "env"]
+
+
+@pytest.mark.parametrize("value", [*HOSTILE[:-1], *LINE_BREAKS, "a b", "100%"])
+def test_slurm_array_refuses_a_swarm_folder_sbatch_cannot_hold(tmp_path, monkeypatch, capsys, value):
+    """The folder is in the tasks' #SBATCH --output line, which sbatch parses itself: what it would misread
+    there is refused (naming --swarm), before the logs folder is made."""
+    monkeypatch.chdir(tmp_path)
+    folder = f"runs/{value}"
+    make_swarm(tmp_path / folder, folder)
+    assert main(["launch", "slurm", f"--swarm={folder}"]) == 2
+    err = capsys.readouterr().err
+    assert f"--swarm {folder!r}: " in err, err
+    assert not (tmp_path / folder / "logs").exists()
+
+
+@pytest.mark.parametrize("flag", ["--partition", "--account", "--time", "--chdir"])
+@pytest.mark.parametrize("value", ["x$(touch PWNED)", "a b", "#comment", "a\ntouch PWNED", "100%"])
+def test_slurm_array_refuses_what_an_sbatch_line_cannot_hold(swarm, capsys, flag, value):
+    assert main(["launch", "slurm", "--swarm", SWARM_DIR, f"{flag}={value}"]) == 2
+    assert f"{flag} {value!r}: an #SBATCH value may hold only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", LINE_BREAKS)
+def test_indexed_job_refuses_a_swarm_folder_of_several_lines(tmp_path, monkeypatch, capsys, value):
+    """The folder heads the manifest as a comment, which a line break would end."""
+    monkeypatch.chdir(tmp_path)
+    folder = f"runs/{value}"
+    make_swarm(tmp_path / folder, folder)
+    argv = ["launch", "jobset", f"--swarm={folder}", "--image", "x", "--volume", "runs:/opt/tokenmill/runs"]
+    assert main(argv) == 2
+    assert f"--swarm {folder!r}: holds a line break" in capsys.readouterr().err

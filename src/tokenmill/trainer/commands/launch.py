@@ -44,6 +44,15 @@ Task i runs `python -m tokenmill.swarm.worker SWARM --index env`, which trains p
 finished with the run configuration it has now (the worker checks, as `tokenmill mixture run` does): a
 resubmitted array then reruns only what is unfinished. The manifest is read through tokenmill.formats (the
 trainer does not import tokenmill.swarm).
+
+Run configurations (and swarms) come from other people's pull requests, so nothing from them, or from the
+command line, is pasted into what a scheduler runs: shell words are shlex-quoted (the run configuration's
+path in the SLURM script too, with only `${SLURM_JOB_ID}` left to expand), manifests are written by a YAML
+dumper (every value a scalar, never a key or a document), and what cannot be quoted is refused with a
+UsageError naming the flag or field: a line break or control character in any path, name or value (it would
+end a comment line of the script or of the manifest), and in an #SBATCH value anything outside
+`SBATCH_VALUE` (sbatch parses those lines itself). `--setup` alone is shell by design: the launching user's
+own line, never a configuration's.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ import argparse
 import re
 import shlex
 import sys
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +80,38 @@ CONFIG_MOUNT = "/etc/tokenmill"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 DEFAULT_DEVICES_PER_NODE = 8
 DEFAULT_PROCESSES_PER_NODE = 1
+
+#: What an #SBATCH value may hold. sbatch reads those lines itself, not through a shell: it splits them at
+#: blanks, ends them at '#', takes quotes and backslashes its own way, and expands '%' in file names. So a
+#: value there is not quoted but checked against this set, which every partition, account, time limit and
+#: ordinary path fits.
+SBATCH_VALUE = re.compile(r"[A-Za-z0-9._,:@+=/-]+")
+#: Unicode categories that break a line somewhere we write one: control characters (newline, carriage
+#: return, NUL, ...) and the line and paragraph separators, which YAML also reads as line breaks.
+LINE_BREAKING = ("Cc", "Zl", "Zp")
+
+
+def one_line(field: str, value: str) -> str:
+    """`value`, unless it holds a line break or control character: then UsageError naming `field`. Such a
+    value would end the comment or directive it is written in and start a line of its own; no path, name or
+    image is legitimately made of several lines."""
+    if any(unicodedata.category(char) in LINE_BREAKING for char in value):
+        raise UsageError(
+            f"{field} {value!r}: holds a line break or control character, which tokenmill launch refuses "
+            "(it would start a new line of the script or manifest)"
+        )
+    return value
+
+
+def sbatch_value(field: str, value: str) -> str:
+    """`value` for an #SBATCH directive, unless it holds a character outside SBATCH_VALUE: then UsageError
+    naming `field` (sbatch parses the line itself, so the value cannot be quoted)."""
+    if not SBATCH_VALUE.fullmatch(value):
+        raise UsageError(
+            f"{field} {value!r}: an #SBATCH value may hold only letters, digits and . _ , : @ + = / - "
+            "(sbatch reads the line itself, so it cannot be quoted)"
+        )
+    return value
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -131,6 +173,10 @@ def plan_launch(
 
     if nodes < 1 or processes_per_node < 1 or devices_per_node < 1:
         raise UsageError("--nodes, --processes-per-node and --devices-per-node must be positive")
+    one_line("--config", config_path)  # it heads the frozen configuration and the job as a comment
+    for flag in train_args:
+        if "\0" in flag:  # every other character reaches `tokenmill train` quoted, as one argument
+            raise UsageError(f"-- {flag!r}: a NUL cannot be passed in an argument")
     if devices_per_node % processes_per_node:
         raise UsageError(
             f"{devices_per_node} devices per node do not split evenly over {processes_per_node} processes"
@@ -144,6 +190,7 @@ def plan_launch(
         raise UsageError(f"{config_path}: no model: (a multi-host job trains the configuration as written)")
     if not run.output:
         raise UsageError(f"{config_path}: no output: (every process writes the run's checkpoints there)")
+    one_line(f"{config_path}: output:", run.output)
     devices = nodes * devices_per_node
     sizes = [run.mesh.data, run.mesh.fsdp, run.mesh.expert]
     known = 1
@@ -189,6 +236,7 @@ def jobset_manifest(
     completion index, from the downward API). A failed pod fails the job, and JobSet recreates every pod
     (up to `max_restarts`): the run resumes from its latest checkpoint, which therefore must be on one of
     `volumes` (PersistentVolumeClaim name, mount path), shared by all pods."""
+    _check_pod_values(image, volumes, namespace, device_resource, workdir, node_selector)
     name = launch.name
     config_map = f"{name}-run-config"
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "tokenmill"}}
@@ -279,6 +327,27 @@ def _string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _BlockDumper.add_representer(str, _string)
 
 
+def _check_pod_values(
+    image: str,
+    volumes: Sequence[tuple[str, str]],
+    namespace: str | None,
+    device_resource: str,
+    workdir: str,
+    node_selector: Mapping[str, str] | None,
+) -> None:
+    """UsageError for a pod's value with a line break in it. The YAML dumper would quote it faithfully,
+    but none of them is legitimately made of several lines, and the paths among them end up in shells."""
+    one_line("--image", image)
+    one_line("--device-resource", device_resource)
+    one_line("--workdir", workdir)
+    if namespace:
+        one_line("--namespace", namespace)
+    for claim, mount in volumes:
+        one_line("--volume", f"{claim}:{mount}")
+    for key, value in (node_selector or {}).items():
+        one_line("--node-selector", f"{key}={value}")
+
+
 def slurm_script(
     launch: Launch,
     partition: str | None = None,
@@ -292,8 +361,15 @@ def slurm_script(
     `tokenmill train --config ... --mesh.distributed`
     finding its place from SLURM_PROCID, SLURM_NTASKS and the first node of the allocation. The run
     configuration is frozen into the script and written into the run folder (a shared filesystem, which
-    multi-host checkpoints need anyway) before the tasks start."""
+    multi-host checkpoints need anyway) before the tasks start. Values are quoted for the shell, or
+    checked for #SBATCH lines (UsageError where they cannot be written there)."""
     quote = shlex.quote
+    directives = (("partition", partition), ("account", account), ("time", time_limit))
+    for flag, value in directives:
+        if value:
+            sbatch_value(f"--{flag}", value)
+    if chdir:
+        one_line("--chdir", chdir)
     lines = [
         "#!/bin/bash",
         f"# Written by `tokenmill launch slurm` from {launch.config_path}: {launch.nodes} nodes x "
@@ -308,8 +384,7 @@ def slurm_script(
     else:
         # Each task gets (and sees, as its devices 0..k-1) only its own GPUs.
         lines.append(f"#SBATCH --gpus-per-task={launch.devices_per_process}")
-    for flag, value in (("partition", partition), ("account", account), ("time", time_limit),
-                        ("cpus-per-task", cpus_per_task)):  # fmt: skip
+    for flag, value in (*directives, ("cpus-per-task", cpus_per_task)):
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
     lines += [
@@ -317,25 +392,31 @@ def slurm_script(
         f"#SBATCH --output={launch.name}-%j.out",
         "",
         "set -euo pipefail",
-        f"cd {quote(chdir)}" if chdir else 'cd "${SLURM_SUBMIT_DIR:-.}"',
+        f"cd -- {quote(chdir)}" if chdir else 'cd "${SLURM_SUBMIT_DIR:-.}"',
     ]
     if setup:
         lines.append(setup)
-    config = f"{launch.output.rstrip('/')}/launch-${{SLURM_JOB_ID}}.yaml"
+    # The run folder is quoted as one word; only the job id after it expands.
+    config = quote(f"{launch.output.rstrip('/')}/launch-") + '"${SLURM_JOB_ID}.yaml"'
+    frozen = launch.run_yaml.rstrip("\n")
+    # A quoted here-document ends at the first line that is its delimiter: pick one no line of it is.
+    delimiter = "TOKENMILL_RUN_CONFIG"
+    while delimiter in frozen.splitlines():
+        delimiter += "_"
+    train = [quote(word) for word in launch.train_command("")]
+    train[train.index("--config") + 1] = '"$RUN_CONFIG"'  # the first --config is ours, before train_args
     lines += [
         "",
         "# The run configuration as launched: later edits of the file do not change this job.",
-        f"mkdir -p {quote(launch.output)}",
-        f'RUN_CONFIG="{config}"',
-        "cat > \"$RUN_CONFIG\" <<'TOKENMILL_RUN_CONFIG'",
-        launch.run_yaml.rstrip("\n"),
-        "TOKENMILL_RUN_CONFIG",
+        f"mkdir -p -- {quote(launch.output)}",
+        f"RUN_CONFIG={config}",
+        f"cat > \"$RUN_CONFIG\" <<'{delimiter}'",
+        frozen,
+        delimiter,
         "",
         "# Process 0 listens here, on the first node of the allocation.",
         f"export JAX_COORDINATOR_PORT={launch.port}",
-        " ".join(
-            ["srun", "--kill-on-bad-exit=1", *map(quote, launch.train_command("RUN_CONFIG_PLACEHOLDER"))]
-        ).replace("RUN_CONFIG_PLACEHOLDER", '"$RUN_CONFIG"'),
+        " ".join(["srun", "--kill-on-bad-exit=1", *train]),
         "",
     ]
     return "\n".join(lines)
@@ -387,6 +468,7 @@ def plan_swarm_launch(
 ) -> SwarmLaunch:
     """Read the swarm's manifest (SWARM/swarm.json) for a job array of one task per proxy; UsageError names
     what is missing or wrong."""
+    one_line("--swarm", swarm)  # it heads the job as a comment
     manifest_path = storage.join(swarm, SWARM)
     if not storage.exists(manifest_path):
         raise UsageError(
@@ -423,7 +505,13 @@ def swarm_slurm_script(
 ) -> str:
     """An sbatch script of one array task per proxy (`--array=0-(N-1)%P`), each on one node with its own
     devices, running the worker from the submission directory (or `chdir`). Each task's output goes to
-    SWARM/logs/JOBID_TASK.out; its first line names the proxy."""
+    SWARM/logs/JOBID_TASK.out; its first line names the proxy. The swarm's folder is in an #SBATCH line
+    (the tasks' output), so it, like every #SBATCH value, must fit SBATCH_VALUE (UsageError otherwise)."""
+    sbatch_value("--swarm", launch.swarm)
+    directives = (("partition", partition), ("account", account), ("time", time_limit), ("chdir", chdir))
+    for flag, value in directives:
+        if value:
+            sbatch_value(f"--{flag}", value)
     array = f"0-{launch.tasks - 1}" + (f"%{launch.parallel}" if launch.parallel else "")
     lines = [
         "#!/bin/bash",
@@ -439,15 +527,14 @@ def swarm_slurm_script(
     if launch.devices_per_task:
         # One task on one node: the batch step itself holds (and sees) the node's GPUs, no srun needed.
         lines.append(f"#SBATCH --gpus-per-node={launch.devices_per_task}")
-    for flag, value in (("cpus-per-task", launch.cpus_per_task), ("partition", partition),
-                        ("account", account), ("time", time_limit), ("chdir", chdir)):  # fmt: skip
+    for flag, value in (("cpus-per-task", launch.cpus_per_task), *directives):
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
     lines += [
         f"#SBATCH --output={storage.join(launch.swarm, SWARM_LOGS)}/%A_%a.out",
         "",
         "set -euo pipefail",
-        f"cd {shlex.quote(chdir)}" if chdir else 'cd "${SLURM_SUBMIT_DIR:-.}"',
+        f"cd -- {shlex.quote(chdir)}" if chdir else 'cd "${SLURM_SUBMIT_DIR:-.}"',
     ]
     if setup:
         lines.append(setup)
@@ -477,6 +564,7 @@ def swarm_job_manifest(
     is on one of `volumes` (PersistentVolumeClaim name, mount path), shared by all pods. A failed pod is
     retried on its own index, up to `max_restarts` times (`backoffLimitPerIndex`, Kubernetes 1.29+); a pod
     evicted or preempted (condition DisruptionTarget) is retried without counting."""
+    _check_pod_values(image, volumes, namespace, device_resource, workdir, node_selector)
     metadata: dict[str, Any] = {"name": launch.name, "labels": {"app.kubernetes.io/name": "tokenmill"}}
     if namespace:
         metadata["namespace"] = namespace
@@ -709,6 +797,14 @@ def _node_selector(args: argparse.Namespace) -> dict[str, str]:
     return selector
 
 
+def _check_pod_args(args: argparse.Namespace, volumes: Sequence[tuple[str, str]]) -> None:
+    """The pod's values from the command line, refused before anything is resolved against them (a
+    --workdir of several lines would otherwise be reported as a run folder on no volume)."""
+    _check_pod_values(
+        args.image, volumes, args.namespace, args.device_resource, args.workdir, _node_selector(args)
+    )
+
+
 def _launch_jobset(args: argparse.Namespace) -> int:
     if _is_swarm(args):
         return _launch_swarm_job(args)
@@ -718,6 +814,7 @@ def _launch_jobset(args: argparse.Namespace) -> int:
         )
     launch = _launch_of(args)
     volumes = _volumes(args)
+    _check_pod_args(args, volumes)
     _on_a_volume(
         launch.output,
         args.workdir,
@@ -742,6 +839,7 @@ def _launch_jobset(args: argparse.Namespace) -> int:
 def _launch_swarm_job(args: argparse.Namespace) -> int:
     launch = _swarm_launch_of(args)
     volumes = _volumes(args)
+    _check_pod_args(args, volumes)
     _on_a_volume(
         launch.swarm,
         args.workdir,
