@@ -259,7 +259,9 @@ def tokenmill_groups(output: Path) -> dict[str, set[str]]:
     import pyarrow.parquet as pq
 
     groups: dict[str, set[str]] = defaultdict(set)
-    for path in sorted(output.rglob("*.parquet")):
+    # Documents only: curate also writes its dedupe index (dedupe-index/) as Parquet.
+    paths = [*(output / "curated").rglob("*.parquet"), *(output / "removed").rglob("*.parquet")]
+    for path in sorted(paths):
         for row in pq.read_table(path, columns=["id", "dup_cluster"]).to_pylist():
             identifier, cluster = row["id"].split(":", 1)[1], row["dup_cluster"]
             if cluster is None:

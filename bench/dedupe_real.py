@@ -299,7 +299,9 @@ def tokenmill_outcome(output: Path) -> tuple[set[str], set[str], dict[str, str]]
     import pyarrow.parquet as pq
 
     kept, removed, cluster = set(), set(), {}
-    for path in sorted(output.rglob("*.parquet")):
+    # Documents only: curate also writes its dedupe index (dedupe-index/) as Parquet.
+    paths = [*(output / "curated").rglob("*.parquet"), *(output / "removed").rglob("*.parquet")]
+    for path in sorted(paths):
         for row in pq.read_table(path, columns=["id", "dup_cluster"]).to_pylist():
             identifier = row["id"].split(":", 1)[1]
             (removed if "removed" in path.parts else kept).add(identifier)
