@@ -2,7 +2,7 @@
 # The mixture search on the demo corpus, end to end (what `make swarm` runs; docs/search.md):
 # the demo's data (made first when missing) -> a swarm of 32 tiny proxies sampled around the
 # token-proportional prior of mixtures/demo-search.yaml -> the proxies trained on a pool of pinned workers
-# -> a fit of every domain's held-out bits per byte -> a proposed mixture within every epoch cap -> the
+# -> a fit of every source's held-out bits per byte -> a proposed mixture within every epoch cap -> the
 # proposal against the prior and the uniform mixture at 4x a proxy's compute, 3 seeds each -> the swarm page.
 # Rerunning resumes: finished proxies and validation runs are kept (SWARM_FRESH=1 samples a new swarm).
 set -euo pipefail
@@ -44,7 +44,7 @@ fi
 banner "train the proxies: $WORKERS workers, each pinned to its share of the cores"
 "$TOKENMILL" mixture run "$SWARM" --workers "$WORKERS"
 
-banner "fit held-out bits per byte per domain: log-linear and Gaussian process, out-of-fold quality"
+banner "fit held-out bits per byte per source: log-linear and Gaussian process, out-of-fold quality"
 "$TOKENMILL" mixture fit "$SWARM"
 
 banner "propose the mixture that minimises held-out macro bits per byte within every epoch cap"

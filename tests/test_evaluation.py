@@ -20,6 +20,7 @@ from test_tokenize import WORDS
 
 from tokenmill.cli import main
 from tokenmill.formats.plan import read_plan
+from tokenmill.mixtures.plan import _heldout_groups
 from tokenmill.tokenize import TokenCatalog
 from tokenmill.tokenize.tokenizer import load_tokenizer
 from tokenmill.trainer.data.evaluation import build_sequences, load_sequences, round_robin
@@ -383,3 +384,35 @@ def test_tokenmill_eval_reads_the_sets_from_gcs_as_from_disk(
     assert len(mirrored) == 1 + sum(
         1 for p in corpus["tokens"].rglob("*") if "heldout" in p.parts and p.is_file()
     )
+
+
+def test_held_out_sets_by_source_follow_the_sources_cells(corpus, tmp_path):
+    """group_by: source gives one set per source of the held-out slices of the cells it draws (a cell drawn
+    by two sources is in both sets, one no source draws in heldout/unsourced), whatever the weights."""
+    counts = json.loads((corpus["tokens"] / "counts.json").read_text())
+    prose = sorted(cell for cell in counts["cells"] if cell.startswith("domain=prose/"))
+    notes = [cell for cell in counts["cells"] if cell.startswith("domain=notes/")]
+    spec = tmp_path / "by-source.yaml"
+    spec.write_text(
+        MIXTURE.replace("group_by: domain", "group_by: source")
+        .replace(
+            "max_epochs: 50\n",
+            "max_epochs: 50\nsources:\n  prose: domain=prose/*\n"
+            f"  high: {prose[-1]}\n  notes: domain=notes/*\n",
+        )
+        .replace("{domain=prose/*: 0.5, domain=notes/*: 0.5}", "{prose: 0.5, notes: 0.5, high: 0}")
+        .replace("{domain=prose/*: 0.2, domain=notes/*: 0.8}", "{prose: 1.0, notes: 0, high: 0}")
+    )
+    plan_path = tmp_path / "plan.json"
+    assert main(["mixture", "plan", str(spec), "--counts", str(corpus["tokens"] / "counts.json"), "--json",
+                 "--output", str(plan_path)]) == 0  # fmt: skip
+    sets = {s.name: s for s in read_plan(str(plan_path)).evaluation}
+    assert sorted(sets) == ["heldout/source=high", "heldout/source=notes", "heldout/source=prose"]
+    assert sets["heldout/source=prose"].cells == prose and sets["heldout/source=high"].cells == [prose[-1]]
+    assert sets["heldout/source=notes"].cells == notes
+    by_cell = {cell: counts["cells"][cell]["heldout_tokens"] for cell in counts["cells"]}
+    assert sets["heldout/source=prose"].tokens == sum(by_cell[cell] for cell in prose) > 0
+    # A held-out cell no source draws forms a set of its own rather than being dropped.
+    assert _heldout_groups("domain=x/quality=1", "source", {"a": {"domain=y/quality=1"}}) == [
+        "heldout/unsourced"
+    ]

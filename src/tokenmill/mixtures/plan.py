@@ -54,7 +54,7 @@ from tokenmill.formats.tokens import (
     read_eval_manifest,
 )
 from tokenmill.mixtures.errors import Issue, MixtureError, NeedsCounts, format_path
-from tokenmill.mixtures.spec import Evaluation, Mixture, MixturePhase, Source
+from tokenmill.mixtures.spec import Mixture, MixturePhase, Source
 from tokenmill.units import format_count
 
 # A realized weight this far (relative) from the asked one means the block is too small for the weight.
@@ -304,7 +304,7 @@ def plan_mixture(
         issues.extend(_over_cap(mixture, resolved, used, phase_plans))
     evaluation = None
     if mixture.evaluation is not None:
-        evaluation, evaluation_issues = _evaluation_sets(mixture.evaluation, counts, tokens_dir, warnings)
+        evaluation, evaluation_issues = _evaluation_sets(mixture, counts, tokens_dir, warnings)
         issues.extend(evaluation_issues)
     if issues:
         raise MixtureError(issues)
@@ -543,18 +543,26 @@ def _cell_totals(
     return result
 
 
-def _heldout_group(cell: str, group_by: str) -> str:
+def _heldout_groups(cell: str, group_by: str, sources: dict[str, list[str]]) -> list[str]:
+    """The evaluation sets a matched cell's held-out slice belongs to. By source, a cell is in the set of
+    every source that draws it (whatever its weights, so that every mixture of a swarm has the same sets),
+    and in `heldout/unsourced` when no source does."""
     if group_by == "cell":
-        return f"heldout/{cell}"
+        return [f"heldout/{cell}"]
     if group_by == "domain":
-        return f"heldout/domain={parse_cell(cell)[0]}"
-    return "heldout"
+        return [f"heldout/domain={parse_cell(cell)[0]}"]
+    if group_by == "source":
+        return [f"heldout/source={name}" for name, cells in sources.items() if cell in cells] or [
+            "heldout/unsourced"
+        ]
+    return ["heldout"]
 
 
 def _evaluation_sets(
-    evaluation: Evaluation, counts: TokenCounts | None, tokens_dir: str | None, warnings: list[str]
+    mixture: Mixture, counts: TokenCounts | None, tokens_dir: str | None, warnings: list[str]
 ) -> tuple[list[EvalSetPlan], list[Issue]]:
     """The run's evaluation sets, counted where counts are known; issues for what cannot be evaluated."""
+    evaluation = mixture.evaluation
     issues: list[Issue] = []
     sets: list[EvalSetPlan] = []
     texts = [selector.text for selector in evaluation.heldout]
@@ -587,11 +595,16 @@ def _evaluation_sets(
         elif not matched:
             issues.append(where.issue(f"heldout: {', '.join(texts)} matches no cell in counts.json"))
         else:
+            sources = {
+                name: {cell for selector in source.selectors for cell in selector.select(counts.cells)}
+                for name, source in mixture.sources.items()
+            }
             groups: dict[str, list[str]] = {}
             for cell in matched:
-                groups.setdefault(_heldout_group(cell, evaluation.group_by), []).append(cell)
+                for group in _heldout_groups(cell, evaluation.group_by, sources):
+                    groups.setdefault(group, []).append(cell)
             empty = []
-            for name, cells in groups.items():
+            for name, cells in sorted(groups.items()):
                 entries = [counts.cells[cell] for cell in cells]
                 documents = sum(entry.heldout_documents or 0 for entry in entries)
                 if documents == 0:

@@ -141,9 +141,10 @@ class EvaluationSpec(BaseModel):
         default_factory=list,
         description="cells whose held-out slices are evaluated: cells or patterns (domain=*/* is every cell)",
     )
-    group_by: Literal["domain", "cell", "all"] = Field(
+    group_by: Literal["domain", "source", "cell", "all"] = Field(
         "domain",
-        description="one evaluation set per domain of the matched cells (default), per cell, or one in all",
+        description="one evaluation set per domain of the matched cells (default), per training source that "
+        "draws them, per cell, or one in all",
     )
     sets: Annotated[list[Name], BeforeValidator(_one_or_many)] = Field(
         default_factory=list, description="external evaluation sets by name (tokens/eval/<name>/)"
