@@ -33,6 +33,9 @@ READERS = {"trainer", "reports"}
 #: Mixture search: above the trainer (it writes run configurations and starts `tokenmill train`); nothing
 #: imports it but the command line, and the pages read its records through tokenmill.formats.swarm.
 SEARCH = {"swarm"}
+#: Exports of trained checkpoints (tokenmill export/import hf): above the trainer, whose checkpoints and
+#: model it reads; nothing imports it but the command line.
+EXPORT = {"export"}
 #: The trainer's parts (docs/trainer.md): what each may import of the trainer besides itself.
 TRAINER = "tokenmill.trainer"
 TRAINER_PARTS = {
@@ -101,7 +104,7 @@ def reaches_beam(module: str) -> list[str]:
 
 def test_the_package_has_the_layers_the_rule_names():
     layers = {layer(module) for module in MODULES} - {"", "cli", "__main__"}
-    assert layers == BOTTOM | CORPORA | STAGES | READERS | SEARCH | {"samples"}
+    assert layers == BOTTOM | CORPORA | STAGES | READERS | SEARCH | EXPORT | {"samples"}
 
 
 @pytest.mark.parametrize(
@@ -113,8 +116,9 @@ def test_the_package_has_the_layers_the_rule_names():
         (STAGES, BOTTOM | CORPORA | STAGES),
         (READERS, BOTTOM | CORPORA | STAGES | READERS),
         (SEARCH, BOTTOM | CORPORA | STAGES | READERS | SEARCH),
+        (EXPORT, BOTTOM | CORPORA | STAGES | READERS | EXPORT),
     ],
-    ids=["bottom", "samples", "corpora", "stages", "trainer-and-reports", "search"],
+    ids=["bottom", "samples", "corpora", "stages", "trainer-and-reports", "search", "export"],
 )
 def test_imports_run_downward(layers, allowed):
     wrong = {

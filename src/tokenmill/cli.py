@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "tokenmill.mixtures.commands",
     "tokenmill.swarm.commands",  # adds to `tokenmill mixture`
     "tokenmill.trainer.commands",
+    "tokenmill.export.commands",  # tokenmill export hf, tokenmill import hf
     "tokenmill.reports.commands",
 )
 
