@@ -10,6 +10,8 @@ Measures, in one run:
 - one held-out evaluation (run/evaluate.py) at the demo's sizes (configs/models/tiny.yaml, 8 sequences of 128
   tokens a step; 10 evaluation sets of 16 sequences, dropless and capacity, as `make demo` evaluates) against
   one train step of the same model and batch: the cost of an evaluation point in train steps;
+- the spike and non-finite guard (run/guard.py) at the demo's sizes: the same step with the guard on and off,
+  alternated over several rounds in this run (the fastest round of each), its cost as a share of step time;
 - expert parallelism (model/expert_parallel.py): in a child process with 8 simulated CPU devices, the same
   step on a data 1 x fsdp 1 x expert 8 mesh (2 experts a device, the batch split 8 ways, shard_map and
   all-to-all) against the single-device step in that process, for both transports. The devices share the
@@ -20,7 +22,7 @@ Runs on CPU by default (fp32); on a GPU or TPU it picks bf16 compute and a large
 The last two lines are `train_expert_parallel ratio=X.XX target=0.5 baseline=single_device_step`
 (single-device step time / expert-parallel step time, capacity transport) and `train ratio=X.XX target=0.1
 baseline=jitted_matmul_peak` (the MFU).
-Usage: python bench/train.py [--batch 16 --seq 256 --steps 8 --dtype float32 --json out.json]
+Usage: python bench/train.py [--batch 16 --seq 256 --steps 8 --dtype float32 --json out.json] [--guard-only]
 """
 
 from __future__ import annotations
@@ -132,8 +134,10 @@ def time_train_step(
     steps: int,
     dtype: str,
     mesh_shape: tuple[int, int, int] = (1, 1, 1),
+    settings: dict | None = None,
 ) -> dict:
     """Compile once, warm up twice, then time `steps` train steps on a data x fsdp x expert mesh.
+    `settings`: more run-configuration sections (`{"guard": {"enabled": False}}`).
 
     The learning rate is zero: the step does all its work (the optimizer still runs; updates are scaled by
     zero), but the router stays as initialised. From scratch at a real learning rate, the first dozens of
@@ -143,7 +147,8 @@ def time_train_step(
     """
     phases = [Phase("bench", 0, 1000)]
     data = {"phase": "bench", "batch_size": batch, "sequence_length": seq}
-    run = RunConfig(model=cfg, compute_dtype=dtype, data=data, optimizer={"kind": "adamw", "lr": 0.0})
+    run = RunConfig(model=cfg, compute_dtype=dtype, data=data, optimizer={"kind": "adamw", "lr": 0.0},
+                    **(settings or {}))  # fmt: skip
     run = resolve_run_config(run, phases)
     mesh = make_mesh(mesh_shape)
     source = SyntheticSource(cfg.vocab_size, seq, batch, seed=0)
@@ -180,6 +185,32 @@ def time_train_step(
         "flops_per_second": step_flops / elapsed,
         "drop_fraction": float(jnp.mean(jnp.stack(drops))),
     }
+
+
+def time_guard(dtype: str, rounds: int = 5, steps: int = 8) -> dict:
+    """The guard's cost at the demo's sizes: the step with the guard on and with it off (health sampling
+    off in both), alternated `rounds` times so that both see the same load; the fastest round of each."""
+    from tokenmill.trainer.model.shape import load_model_config
+
+    cfg = load_model_config(DEMO_MODEL)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for enabled in (True, False):
+            settings = {"guard": {"enabled": enabled}, "logging": {"health_every": 0}}
+            row = time_train_step(cfg, DEMO_BATCH, DEMO_SEQ, steps, dtype, settings=settings)
+            times[enabled].append(row["step_s"])
+    on, off = min(times[True]), min(times[False])
+    return {"on_s": on, "off_s": off, "cost_fraction": (on - off) / on, "rounds": rounds,
+            "steps_per_round": steps, "on_all_s": times[True], "off_all_s": times[False]}  # fmt: skip
+
+
+def print_guard(guard: dict) -> None:
+    print(
+        f"  guard at the demo's sizes (batch {DEMO_BATCH} x seq {DEMO_SEQ}, fastest of {guard['rounds']} "
+        f"rounds of {guard['steps_per_round']} steps): on {guard['on_s'] * 1e3:.2f} ms, off "
+        f"{guard['off_s'] * 1e3:.2f} ms a step: the guard costs {guard['cost_fraction']:.2%} of step time "
+        "(target under 2%)"
+    )
 
 
 EXPERT_DEVICES = 8
@@ -227,7 +258,13 @@ def main() -> None:
         "--no-expert-parallel", action="store_true", help="skip the 8-simulated-device expert-parallel steps"
     )
     parser.add_argument("--expert-parallel-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--guard-only", action="store_true", help="measure only the guard's cost")
     args = parser.parse_args()
+    if args.guard_only:
+        guard = time_guard(args.dtype)
+        print_guard(guard)
+        print("JSON " + json.dumps({"guard": guard}))
+        return
     if args.expert_parallel_child:
         rows = expert_parallel_steps(args.batch, args.seq, args.steps, args.vocab, args.dtype)
         print("EXPERT_PARALLEL " + json.dumps(rows))
@@ -300,6 +337,9 @@ def main() -> None:
         f"compile+first {evaluation['compile_and_first_s']:.1f}s, "
         f"programs {evaluation['compiled']}"
     )
+
+    guard = results["guard"] = time_guard(args.dtype)
+    print_guard(guard)
 
     expert_ratio = None
     if not args.no_expert_parallel:

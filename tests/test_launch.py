@@ -143,6 +143,8 @@ def test_slurm_script(run_config, tmp_path):
         "--time": "1-00:00:00",
         "--exclusive": "",
         "--output": "tiny-multi-host-%j.out",
+        "--requeue": "",
+        "--signal": "TERM@180",  # the run's preemption deadline (120 s) and a minute
     }
     # All #SBATCH lines come before the first command, or sbatch ignores them.
     lines = [line for line in script.splitlines() if line and not line.startswith("#")]
@@ -455,3 +457,45 @@ def test_jobset_refuses_values_of_several_lines(run_config, capsys, flag, given,
             "runs:/opt/tokenmill/runs", "--workdir", "/opt/tokenmill"]  # fmt: skip
     assert main([*argv, f"{flag}={given.format(value)}"]) == 2
     assert f"{flag} {given.format(value)!r}: holds a line break" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("code", "requeued"), [(0, False), (1, False), (75, True), (76, True)])
+def test_slurm_requeues_a_preempted_or_hung_run(run_config, tmp_path, code, requeued):
+    """srun's exit code 75 (preempted, checkpointed) or 76 (hung) requeues the job; the script exits
+    with srun's code either way."""
+    script_path = tmp_path / "job.sbatch"
+    assert main(["launch", "slurm", "--config", str(run_config), "--nodes", "2", "-o", str(script_path)]) == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", f"exit {code}"), ("scontrol", 'printf "%s " "$@" > scontrol.args')):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77",
+           "SLURM_SUBMIT_DIR": str(tmp_path)}  # fmt: skip
+    result = subprocess.run(["bash", str(script_path)], env=env, cwd=tmp_path)
+    assert result.returncode == code
+    recorded = tmp_path / "scontrol.args"
+    assert recorded.exists() == requeued
+    if requeued:
+        assert recorded.read_text() == "requeue 77 "
+
+
+def test_jobset_restarts_a_preempted_run_without_using_up_a_restart(run_config, tmp_path):
+    out = tmp_path / "jobset.yaml"
+    argv = ["launch", "jobset", "--config", str(run_config), "--nodes", "2", "--image", "x", "--volume",
+            "runs:/opt/tokenmill/runs", "-o", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    _, jobset = yaml.safe_load_all(out.read_text())
+    policy = jobset["spec"]["failurePolicy"]
+    assert policy["maxRestarts"] == 3
+    assert policy["rules"] == [
+        {"action": "RestartJobSetAndIgnoreMaxRestarts", "onJobFailureReasons": ["PodFailurePolicy"]}
+    ]
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    rules = job["podFailurePolicy"]["rules"]
+    # Exit 75 of the train container, or a disrupted pod, fails the job by its pod failure policy.
+    exit_75 = {"containerName": "train", "operator": "In", "values": [75]}
+    assert rules[0] == {"action": "FailJob", "onExitCodes": exit_75}
+    assert rules[1] == {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    pod = job["template"]["spec"]
+    assert pod["containers"][0]["name"] == "train" and pod["terminationGracePeriodSeconds"] == 180

@@ -6,6 +6,7 @@
   tokens     token shards' manifest.json, done markers and tokens/counts.json
   plan       the mixture plan (`tokenmill mixture plan --json`)
   runs       runs/NAME/metrics.jsonl and config.json
+  events     runs/NAME/events.jsonl, what happened to a run besides its steps
   cards      classifier models' model.json and calibration.json
 
 Each gives typed records (pydantic) with `read_*(path)` and `write_*(path, record)` through

@@ -18,6 +18,7 @@ from typing import Any
 from tokenmill import storage
 from tokenmill.errors import FormatError
 from tokenmill.formats.evals import EVAL, EvalRecord, parse_eval
+from tokenmill.formats.events import EVENTS, Event, read_events
 from tokenmill.formats.runs import CONFIG, LOG, METRICS, parse_metrics_line, read_run_record
 from tokenmill.reports import svg
 from tokenmill.reports.inputs import InputError, read_json_file
@@ -63,6 +64,74 @@ def phase_lines(rows: list[dict[str, Any]]) -> list[svg.VLine]:
             lines.append(svg.VLine(float(row["step"]), str(row.get("phase"))))
             previous = row.get("phase")
     return lines
+
+
+# The events drawn on the loss and norm charts, and their colours; checkpoints are only counted.
+EVENT_COLORS = {
+    "skip": "#d97706", "excluded": "#9ca3af", "rollback": "#dc2626", "preemption": "#2563eb",
+    "watchdog": "#7c3aed", "stop": "#991b1b", "restart": "#059669", "change": "#0891b2",
+}  # fmt: skip
+MAX_EVENT_MARKERS = 300
+MAX_EVENT_ROWS = 200
+
+
+def read_run_events(run_dir: str) -> tuple[list[Event], bytes | None]:
+    """The run folder's events.jsonl (docs/formats.md, "Run events") and its whole lines; [] and None when
+    the run has none. InputError names the file and line of a bad event."""
+    path = storage.join(run_dir, EVENTS)
+    if not storage.exists(path):
+        return [], None
+    with storage.open_file(path, "rb") as handle:
+        data = handle.read()
+    data = data[: data.rfind(b"\n") + 1]  # a line being appended waits for the next version
+    try:
+        return read_events(path), data
+    except FormatError as error:
+        raise InputError(str(error)) from error
+
+
+def _event_kind(item: Event) -> str:
+    """An event's kind as the page shows it: a start after an earlier command is a restart."""
+    if item.kind == "start":
+        return "restart" if item.previous is not None else "start"
+    return item.kind
+
+
+def event_lines(events: list[Event]) -> list[svg.VLine]:
+    """A marker per drawn event (the latest MAX_EVENT_MARKERS), labelled where it is a rare one."""
+    lines = []
+    for item in events:
+        kind = _event_kind(item)
+        if kind in EVENT_COLORS and item.step is not None:
+            label = kind if kind in ("rollback", "preemption", "watchdog", "restart", "stop") else ""
+            lines.append(svg.VLine(float(item.step), label, event=kind, color=EVENT_COLORS[kind]))
+    return lines[-MAX_EVENT_MARKERS:]
+
+
+def build_events(events: list[Event]) -> dict[str, Any]:
+    """The events table (newest first, checkpoints counted, not listed) and counts per kind."""
+    shown = [item for item in events if item.kind != "checkpoint"]
+    checkpoints = [item.checkpoint for item in events if item.kind == "checkpoint"]
+    counts: dict[str, int] = {}
+    for item in shown:
+        counts[_event_kind(item)] = counts.get(_event_kind(item), 0) + 1
+    rows = [
+        {
+            "kind": _event_kind(item),
+            "step": "–" if item.step is None else f"{item.step:,}",
+            "time": item.time.replace("T", " ")[:19],
+            "message": item.message,
+            "color": EVENT_COLORS.get(_event_kind(item), "#6b7280"),
+        }  # fmt: skip
+        for item in reversed(shown)
+    ]
+    return {
+        "rows": rows[:MAX_EVENT_ROWS],
+        "more": max(0, len(rows) - MAX_EVENT_ROWS),
+        "counts": sorted(counts.items()),
+        "checkpoints": len(checkpoints),
+        "latest_checkpoint": checkpoints[-1] if checkpoints else None,
+    }
 
 
 def _per_layer(rows: list[dict[str, Any]], key: str) -> int:
@@ -226,20 +295,25 @@ def build_run(
     if evals is None:
         evals, eval_bytes = read_evals(run_dir)
     vlines = phase_lines(rows)
+    events, events_bytes = read_run_events(run_dir)
+    # Skips, rollbacks, restarts, preemptions and hangs are marked where a person looks for their cause.
+    marked = [*vlines, *event_lines(events)]
     step = svg.Axis("step")
     charts = []
     all_rows, rows = rows, chart_rows(rows)
 
-    def add(title: str, series: list[svg.Series], y: svg.Axis, note: str = "") -> None:
+    def add(title: str, series: list[svg.Series], y: svg.Axis, note: str = "", events: bool = False) -> None:
+        lines = marked if events else vlines
         charts.append(
             {
                 "title": title,
                 "note": note,
-                "svg": svg.line_chart(series, title=title, x=step, y=y, vlines=vlines),
+                "svg": svg.line_chart(series, title=title, x=step, y=y, vlines=lines),
             }
         )
 
-    add("Training loss", [_series(rows, "loss")], svg.Axis("loss"))
+    event_note = "Solid lines mark the run's events (table below)." if events else ""
+    add("Training loss", [_series(rows, "loss")], svg.Axis("loss"), event_note, events=True)
     add("Learning rate", [_series(rows, "lr")], svg.Axis("learning rate"))
     add("Throughput", [_series(rows, "tokens_per_second", "tokens / s")], svg.Axis("tokens per second"))
     add("Model FLOPs utilization", [_series(rows, "mfu", "MFU")], svg.Axis("MFU", low=0.0))
@@ -281,8 +355,9 @@ def build_run(
         svg.Axis("fraction dropped", low=0.0),
         "Routed assignments dropped by expert capacity, over all MoE layers.",
     )
-    add("Gradient norm", [_series(rows, "grad_norm", "grad norm")], svg.Axis("norm"))
-    add("Router bias norm", _layer_series(rows, "router_bias_norm", _number), svg.Axis("norm"))
+    add("Gradient norm", [_series(rows, "grad_norm", "grad norm")], svg.Axis("norm"), event_note, events=True)
+    add("Router bias norm", _layer_series(rows, "router_bias_norm", _number), svg.Axis("norm"), event_note,
+        events=True)  # fmt: skip
 
     final_load = next(
         (r["expert_load"] for r in reversed(rows) if isinstance(r.get("expert_load"), list)), None
@@ -373,6 +448,8 @@ def build_run(
     files = [(f"{DATA}/metrics.jsonl", inputs.metrics, "run metrics")]
     if eval_bytes is not None:
         files.append((f"{DATA}/{EVAL}", eval_bytes, "evaluation records"))
+    if events_bytes is not None:
+        files.append((f"{DATA}/{EVENTS}", events_bytes, "run events"))
     if inputs.config_bytes is not None:
         files.append((f"{DATA}/config.json", inputs.config_bytes, "run config"))
     plan = (config or {}).get("plan")
@@ -394,6 +471,7 @@ def build_run(
         "config_path": config_path if config is not None else None,
         "ladder": ladder,
         "evaluation": evaluation,
+        "events": build_events(events) if events else None,
         "follow": build_follow(all_rows, config, run_dir, live, log_lines),
         "hardware": build_hardware(rows, vlines),
         "live": live,

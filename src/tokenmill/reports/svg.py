@@ -470,6 +470,9 @@ class VLine:
 
     x: float
     label: str = ""
+    # A run's event (docs/formats.md, "Run events"): drawn solid in its colour, with the kind as data-event.
+    event: str = ""
+    color: str = ""
 
 
 @dataclass(frozen=True)
@@ -679,10 +682,18 @@ def line_chart(
         if not math.isfinite(v.x) or (x.log and v.x <= 0) or not (x_lo <= v.x <= x_hi):
             continue
         vx = px(v.x)
-        out.append(
-            f'<line class="vline" x1="{_f(vx)}" x2="{_f(vx)}" y1="{_f(top)}" y2="{_f(top + plot_h)}"'
-            ' stroke="#6b7280" stroke-dasharray="3 3"/>'
-        )
+        if v.event:
+            out.append(
+                f'<line class="vline event" data-event="{escape(v.event)}" data-step="{_f(v.x)}"'
+                f' x1="{_f(vx)}" x2="{_f(vx)}" y1="{_f(top)}" y2="{_f(top + plot_h)}"'
+                f' stroke="{escape(v.color or "#6b7280")}" stroke-width="1.5" opacity="0.8">'
+                f"<title>{escape(v.event)} at step {_f(v.x)}</title></line>"
+            )
+        else:
+            out.append(
+                f'<line class="vline" x1="{_f(vx)}" x2="{_f(vx)}" y1="{_f(top)}" y2="{_f(top + plot_h)}"'
+                ' stroke="#6b7280" stroke-dasharray="3 3"/>'
+            )
         if v.label:
             out.append(_text(vx + 4, top + 12, v.label, "start", ' fill="#4b5563"'))
     for s in series:

@@ -73,6 +73,7 @@ from tokenmill import storage
 from tokenmill.errors import FormatError, UsageError
 from tokenmill.formats.swarm import SWARM, read_swarm
 from tokenmill.trainer.run.distributed import DEFAULT_COORDINATOR_PORT
+from tokenmill.trainer.run.watchdog import HANG_EXIT, REQUEUE_EXIT
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "workers"
@@ -235,7 +236,10 @@ def jobset_manifest(
     service: NAME-workers-0-0.NAME), JAX_NUM_PROCESSES (the job's parallelism) and JAX_PROCESS_ID (its
     completion index, from the downward API). A failed pod fails the job, and JobSet recreates every pod
     (up to `max_restarts`): the run resumes from its latest checkpoint, which therefore must be on one of
-    `volumes` (PersistentVolumeClaim name, mount path), shared by all pods."""
+    `volumes` (PersistentVolumeClaim name, mount path), shared by all pods. A pod that exits REQUEUE_EXIT
+    (75: preempted, checkpointed) or is disrupted (its node drained or preempted) fails the job through
+    the pod failure policy, and the JobSet restarts on that without counting it against `max_restarts`;
+    the pods get the run's preemption deadline and a minute more between SIGTERM and SIGKILL."""
     _check_pod_values(image, volumes, namespace, device_resource, workdir, node_selector)
     name = launch.name
     config_map = f"{name}-run-config"
@@ -269,6 +273,8 @@ def jobset_manifest(
         count = str(launch.devices_per_process)
         container["resources"] = {"limits": {device_resource: count}, "requests": {device_resource: count}}
     pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], "volumes": pod_volumes}
+    # SIGTERM, then this long to checkpoint before SIGKILL: the run's own deadline and a minute for the rest.
+    pod_spec["terminationGracePeriodSeconds"] = int(_preemption_seconds(launch.run_yaml)) + 60
     if node_selector:
         pod_spec["nodeSelector"] = dict(node_selector)
     config_metadata = {key: value for key, value in metadata.items() if key != "name"}
@@ -285,7 +291,16 @@ def jobset_manifest(
             "metadata": metadata,
             "spec": {
                 "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-                "failurePolicy": {"maxRestarts": max_restarts},
+                # A preempted run (exit 75, or a disrupted pod) restarts without using up a restart.
+                "failurePolicy": {
+                    "maxRestarts": max_restarts,
+                    "rules": [
+                        {
+                            "action": "RestartJobSetAndIgnoreMaxRestarts",
+                            "onJobFailureReasons": ["PodFailurePolicy"],
+                        }
+                    ],
+                },
                 "replicatedJobs": [
                     {
                         "name": REPLICATED_JOB,
@@ -296,6 +311,22 @@ def jobset_manifest(
                                 "completions": launch.processes,
                                 "completionMode": "Indexed",
                                 "backoffLimit": 0,
+                                "podFailurePolicy": {
+                                    "rules": [
+                                        {
+                                            "action": "FailJob",
+                                            "onExitCodes": {
+                                                "containerName": "train",
+                                                "operator": "In",
+                                                "values": [REQUEUE_EXIT],
+                                            },
+                                        },
+                                        {
+                                            "action": "FailJob",
+                                            "onPodConditions": [{"type": "DisruptionTarget"}],
+                                        },
+                                    ]
+                                },
                                 "template": {"spec": pod_spec},
                             }
                         },
@@ -304,6 +335,20 @@ def jobset_manifest(
             },
         },
     ]
+
+
+def _preemption_seconds(run_yaml: str) -> float:
+    """The run's watchdog.preemption_seconds (its default when the configuration does not set it)."""
+    from tokenmill.trainer.run.config import WatchdogConfig
+
+    try:
+        settings = yaml.safe_load(run_yaml) or {}
+    except yaml.YAMLError:  # not a configuration train could read either; it will say so itself
+        settings = {}
+    given = (settings.get("watchdog") or {}) if isinstance(settings, dict) else {}
+    default = WatchdogConfig().preemption_seconds
+    value = given.get("preemption_seconds", default) if isinstance(given, dict) else default
+    return float(value)
 
 
 def jobset_yaml(objects: list[dict[str, Any]], launch: Launch) -> str:
@@ -390,6 +435,10 @@ def slurm_script(
     lines += [
         "#SBATCH --exclusive",
         f"#SBATCH --output={launch.name}-%j.out",
+        # Requeued after a preemption or a hang (below); SIGTERM to the tasks before the time limit, so that
+        # a job that runs out of time checkpoints and is requeued too.
+        "#SBATCH --requeue",
+        f"#SBATCH --signal=TERM@{int(_preemption_seconds(launch.run_yaml)) + 60}",
         "",
         "set -euo pipefail",
         f"cd -- {quote(chdir)}" if chdir else 'cd "${SLURM_SUBMIT_DIR:-.}"',
@@ -416,7 +465,17 @@ def slurm_script(
         "",
         "# Process 0 listens here, on the first node of the allocation.",
         f"export JAX_COORDINATOR_PORT={launch.port}",
+        f"# {REQUEUE_EXIT}: preempted and checkpointed; {HANG_EXIT}: no step in time (stacks in train.log). "
+        "Either way the job goes back in",
+        "# the queue and the rerun resumes from the latest checkpoint; any other failure ends the job.",
+        "set +e",
         " ".join(["srun", "--kill-on-bad-exit=1", *train]),
+        "status=$?",
+        "set -e",
+        f'if [ "$status" -eq {REQUEUE_EXIT} ] || [ "$status" -eq {HANG_EXIT} ]; then',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
         "",
     ]
     return "\n".join(lines)

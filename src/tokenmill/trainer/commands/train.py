@@ -46,6 +46,11 @@ GROUPS = {
     "checkpoint": ("checkpoints", None),
     "logging": ("logging", None),
     "evaluation": ("evaluation", "Held-out evaluation (docs/trainer.md): when, how much, which dispatch."),
+    "guard": ("guard", 'Skipped steps and rollbacks (docs/trainer.md, "A run\'s bad hours").'),
+    "watchdog": (
+        "watchdog",
+        'Preemption (exit 75) and hangs (exit 76): docs/trainer.md, "A run\'s bad hours".',
+    ),
     "model": ("model shape", "Change one field of the --model file's shape (configs/models/*.yaml)."),
 }
 SET = "set:"  # prefix of the argparse destinations of generated flags
@@ -192,6 +197,7 @@ def _train(args: argparse.Namespace) -> int:
     from tokenmill.trainer.run.distributed import DistributedSetupError, maybe_initialize_distributed
     from tokenmill.trainer.run.loop import train
     from tokenmill.trainer.run.resume import TrainingError
+    from tokenmill.trainer.run.watchdog import Preempted
 
     run = run_config_of(args)
     if run.model is None:
@@ -224,6 +230,10 @@ def _train(args: argparse.Namespace) -> int:
     except TrainingError as error:
         print(f"tokenmill train: {error}")
         return 1
+    except Preempted as error:
+        # 75: checkpointed after SIGTERM/SIGINT; the launch outputs requeue on it (docs/operations.md).
+        print(f"tokenmill train: preempted: {error}; rerun to resume")
+        return error.exit_code
     if rows:
         first, last = rows[0], rows[-1]
         print(

@@ -116,7 +116,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def state_shardings(state: Any, params_sharding: Any, mesh: Mesh, optimizer_memory: str = "device") -> Any:
-    """Shardings for the whole train state {step, params, opt_state, router_bias}.
+    """Shardings for the whole train state {step, params, opt_state, router_bias, guard}.
 
     An optimizer-state leaf that holds one number per parameter (Adam's moments, Muon's momentum, under
     whatever wrapper optax puts them: a partition's masked trees, a chain's tuple) is found by its path,
@@ -148,6 +148,8 @@ def state_shardings(state: Any, params_sharding: Any, mesh: Mesh, optimizer_memo
         "params": params_sharding,
         "opt_state": jax.tree_util.tree_map_with_path(optimizer_leaf, state["opt_state"]),
         "router_bias": replicated(mesh),
+        # The step guard's window (run/guard.py), where the state has one: a few numbers, on every device.
+        **({"guard": jax.tree.map(lambda _: replicated(mesh), state["guard"])} if "guard" in state else {}),
     }
 
 

@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from tokenmill.formats.plan import MixturePlan
 from tokenmill.trainer.model.shape import ModelConfig
 from tokenmill.trainer.run.config import ResolvedRun
+
+log = logging.getLogger(__name__)
 
 # Plan fields that label a plan without changing the batch any step reads.
 PLAN_LABELS = ("name", "description", "warnings", "provenance")
@@ -92,6 +97,21 @@ class Checkpointer:
             # orbax's two wordings of it, from its two restore paths
             if not any(words in str(error).lower() for words in STRUCTURE_MISMATCH):
                 raise
+            if isinstance(target, dict) and "guard" in target:
+                # Saved before the train state had the guard's window (run/guard.py): the rest, and an
+                # empty window, which is what a fresh guard starts from.
+                try:
+                    state, meta = self.restore(step, {k: v for k, v in target.items() if k != "guard"})
+                except CheckpointLayoutError:
+                    pass
+                else:
+                    log.warning("%s has no guard window (saved before it existed): starting an empty one",
+                                self.path(step))  # fmt: skip
+                    empty = jax.tree.map(
+                        lambda leaf: jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding),
+                        target["guard"],
+                    )
+                    return {**state, "guard": empty}, meta
             raise CheckpointLayoutError(
                 f"checkpoint {self.path(step)} holds a train state laid out otherwise than this run's "
                 f"(another optimizer, or saved by an earlier tokenmill whose layout changed since): "
@@ -99,6 +119,14 @@ class Checkpointer:
                 "--output with the optimizer it was saved with, or start afresh."
             ) from error
         return restored["state"], dict(restored["meta"])
+
+    def saving(self) -> bool:
+        """Whether a save started is still being written."""
+        return self.manager.is_saving_in_progress()
+
+    def delete(self, step: int) -> None:
+        """Remove the checkpoint at `step` (a rollback's abandoned ones)."""
+        self.manager.delete(step)
 
     def path(self, step: int) -> Path | epath.Path:
         return self.directory / str(step)

@@ -236,6 +236,13 @@ class LoggingConfig(Section):
         description="write every layer's per-expert load into metrics.jsonl every this many steps (and at "
         "the first and last step); every row has each layer's expert_imbalance",
     )
+    health_every: int = Field(
+        100,
+        ge=0,
+        description="every this many global steps, write per-layer health into metrics.jsonl: parameter "
+        "and update norms per parameter group, the router bias's change and the router z-loss per layer "
+        "(0: never)",
+    )
     publish_refresh: int = Field(
         60,
         ge=0,
@@ -277,6 +284,66 @@ class EvaluationConfig(Section):
     )
 
 
+class GuardConfig(Section):
+    """The spike and non-finite guard (run/guard.py) and what follows a run of skipped steps
+    (docs/trainer.md, "A run's bad hours"). `guard: off` in a file turns it off."""
+
+    enabled: bool = Field(
+        True, description="skip a step whose loss or gradient norm is non-finite or a spike"
+    )
+    sigmas: float = Field(
+        6.0, gt=0, description="a spike: above mean + this many standard deviations of the window"
+    )
+    window: int = Field(128, gt=1, description="the last this many applied steps make the window")
+    warmup: int = Field(64, ge=1, description="no spike is called before the window holds this many steps")
+    rollback_after: int = Field(
+        3,
+        ge=0,
+        description="after this many skipped steps in a row, restore the last good checkpoint and continue "
+        "past the steps since it (0: never roll back)",
+    )
+    max_rollbacks: int = Field(
+        3, ge=0, description="stop (exit code 1) at the rollback after this many in one command"
+    )
+    skip_steps: list[int] = Field(
+        [],
+        description="global steps never trained on (their data is skipped, the step counter moves on): an "
+        "operator's exclusion by hand; a rollback's are read from events.jsonl",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        # YAML reads `guard: off` as false.
+        if isinstance(value, bool):
+            return {"enabled": value}
+        if isinstance(value, str) and value.lower() in ("off", "on"):
+            return {"enabled": value.lower() == "on"}
+        return value
+
+
+class WatchdogConfig(Section):
+    """Preemption and hangs (docs/trainer.md, "A run's bad hours"): on SIGTERM or SIGINT the step in flight
+    finishes, a checkpoint is written and the command exits with the requeue code (75); a run with no step
+    completed in time dumps every thread's stack into train.log and exits with code 76."""
+
+    first_step_seconds: float = Field(
+        3600.0,
+        ge=0,
+        description="seconds the first step of a command (it compiles), the first evaluation and each "
+        "checkpoint's save or final wait may take (0: no limit)",
+    )
+    step_seconds: float = Field(
+        900.0, ge=0, description="seconds every later step (with its evaluation) may take (0: no limit)"
+    )
+    preemption_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="after SIGTERM/SIGINT, the step and the checkpoint must be done within this; otherwise "
+        "the step is abandoned (the latest checkpoint stays the one to resume) and the command exits 75",
+    )
+
+
 class RunConfig(Section):
     """A training run: configs/runs/*.yaml, or a run's own config.json once resolved."""
 
@@ -293,6 +360,8 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
+    guard: GuardConfig = GuardConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
 
     def with_devices(self, mesh: Mapping[str, int], peak_flops: float) -> RunConfig:
         """A copy with the devices' facts filled in, the mesh's sizes and the peak FLOP/s: what the loop

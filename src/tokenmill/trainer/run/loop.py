@@ -20,7 +20,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from tokenmill.formats.runs import CONFIG, extend_history, history_entry, read_run_record, write_run_record
+from tokenmill.formats.events import excluded_steps
+from tokenmill.formats.runs import (
+    CONFIG,
+    LOG,
+    extend_history,
+    history_entry,
+    read_run_record,
+    write_run_record,
+)
 from tokenmill.trainer.data.batch import Batch, BatchSource
 from tokenmill.trainer.model.flops import (
     count_params,
@@ -32,10 +40,13 @@ from tokenmill.trainer.model.sharding import AXES, batch_sharding, make_mesh, pa
 from tokenmill.trainer.run.checkpoint import Change, Checkpointer, run_identity
 from tokenmill.trainer.run.config import ResolvedRun, RunConfig
 from tokenmill.trainer.run.evaluate import EvalWriter, build_evaluator, due
+from tokenmill.trainer.run.eventlog import EventLog
+from tokenmill.trainer.run.guard import APPLIED, REASONS
 from tokenmill.trainer.run.metrics import MetricsWriter
 from tokenmill.trainer.run.resume import TrainingError, restore_or_start
 from tokenmill.trainer.run.step import compile_train_step
 from tokenmill.trainer.run.telemetry import StepTimer, Telemetry, capture_log, release_log
+from tokenmill.trainer.run.watchdog import HANG_EXIT, REQUEUE_EXIT, Preempted, Preemption, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +59,11 @@ def train(
     stop_after: stop after this many steps as if killed (no final checkpoint), for resume drills and tests.
     allow_data_change: resume even though the plan, seed, tokenizer, batch or model differ from the
     checkpoint's (otherwise a TrainingError names what changed); config.json's history records it.
+
+    A step the guard skips (guard.py) is logged with `skipped` and recorded in events.jsonl; after
+    guard.rollback_after skips in a row the last good checkpoint is restored and the steps since it are
+    never trained (`_Rollback`). SIGTERM/SIGINT end the command with a checkpoint and `Preempted`; a step
+    that does not complete in time ends the process (watchdog.py). Every such event goes to events.jsonl.
     """
     config, phase = run.config, run.phase
     if not config.output:
@@ -64,7 +80,8 @@ def train(
             run_dir / "checkpoints", config.checkpoint.keep, config.checkpoint.asynchronous
         )
         identity = run_identity(run, _mesh_sizes(mesh), jax.process_count())
-        state, start, meta, changes = _restore_or_start(run, init_fn, shardings, checkpoints, identity,
+        layout = _state_layout(init_fn, shardings, config.seed)
+        state, start, meta, changes = _restore_or_start(run, init_fn, layout, checkpoints, identity,
                                                         allow_data_change)  # fmt: skip
         if start >= target:
             log.info("phase %s is already at step %d (target %d): nothing to do", phase.name, start, target)
@@ -74,6 +91,18 @@ def train(
         outputs = _open_outputs(run, recorded, run_dir, start, identity, changes, checkpoints)
         evals = EvalWriter(run_dir, start, outputs.writer.wandb) if evaluator is not None else None
         progress = _Progress.resumed(run, meta, identity, mesh.size, recorded.logging.peak_flops)
+        events = EventLog(run_dir, outputs.writer.wandb)
+        # Steps never trained: the operator's, and every rollback's of this run (a resumed run skips them).
+        excluded = set(config.guard.skip_steps) | excluded_steps(events.previous)
+        events.add(
+            "start", start,
+            f"phase {phase.name} from step {start} to {target}"
+            + (f", resumed from the checkpoint of step {meta['step']}" if "step" in meta else ", fresh"),
+            phase=phase.name, resumed_from=meta.get("step"), previous=events.previous_end(),
+        )  # fmt: skip
+        if changes:
+            events.add("change", start, "; ".join(map(str, changes)), changes=[str(c) for c in changes],
+                       allowed=allow_data_change)  # fmt: skip
         log.info(
             "phase %s: steps %d to %d on %d %s devices%s",
             phase.name, start, target, mesh.size, jax.devices()[0].device_kind,
@@ -86,47 +115,245 @@ def train(
                 outputs.publisher.every,
             )
         rows: list[dict] = []
-        done, saved = start, None  # the step reached; the latest checkpoint this process started
+        done = start  # the step reached
+        saves = _Saves(checkpoints, events, config.checkpoint.asynchronous)
+        rollback = _Rollback(run, checkpoints, layout, events, saves)
+        times = config.watchdog
+        watchdog = Watchdog(
+            run_dir / LOG if outputs.writer.enabled else None,
+            on_hang=lambda seconds, first: (saves.poll(), events.add(
+                "watchdog", done, f"no step completed within {seconds:.0f} s; stacks in {LOG}",
+                seconds=seconds, first_step=first, exit_code=HANG_EXIT,
+            )),
+        )  # fmt: skip
+        watchdog.arm(times.first_step_seconds, first=True)
+        preemption = Preemption(
+            times.preemption_seconds,
+            on_abandon=lambda name: saves.poll() or events.add(
+                "preemption", done, f"{name}: abandoned after {times.preemption_seconds:.0f} s; the latest "
+                "complete checkpoint is where a rerun resumes", signal=name, exit_code=REQUEUE_EXIT,
+            ),
+        )  # fmt: skip
+        evaluated = False
         try:
-            for step in range(start, target):
-                with outputs.timer.part("data"):
-                    tokens, segment_ids = _global_batch(source.batch(step - phase.start_step), mesh, run)
-                with outputs.timer.part("compute"):
-                    state, metrics = step_fn(state, tokens, segment_ids)
-                    metrics = jax.device_get(metrics)
-                _stop_on_a_bad_loss(metrics, step, run, checkpoints)
-                row = progress.row(step, metrics, outputs, first=step == start, last=step == target - 1)
-                outputs.writer.write(row)
-                rows.append(row)
-                done = step + 1
-                every = config.evaluation.every
-                if evaluator is not None and due(done, start, every, phase.end_step, target):
-                    # After the step's row and before its checkpoint: a checkpoint's step has its records.
-                    began = time.perf_counter()
-                    evals.write(
-                        evaluator.evaluate(
-                            state["params"], state["router_bias"], done, phase.name, progress.tokens_seen
-                        )
-                    )
-                    progress.last += time.perf_counter() - began  # the next row's throughput excludes it
-                if stop_after is not None and done - start >= stop_after:
-                    if done % config.checkpoint.every == 0:
-                        checkpoints.save(done, state, progress.record(done))
-                        saved = done
-                    log.info("stopping after %d steps as asked (simulated interruption)", stop_after)
-                    break
-                if done % config.checkpoint.every == 0 or done == target:
-                    with outputs.timer.part("checkpoint"):
-                        checkpoints.save(done, state, progress.record(done))
-                    saved = done
-                outputs.publish_if_due(done, target, saved)
-                if step == start or done % 10 == 0 or done == target:
-                    _log_step(row)
+            with preemption:
+                step = start
+                while step < target:
+                    if step in excluded:
+                        last = step
+                        while last + 1 < target and last + 1 in excluded:
+                            last += 1
+                        state = _at_step(state, last + 1)
+                        events.add("excluded", step, f"steps {step}..{last} are not trained (a rollback's "
+                                   "or guard.skip_steps)", skipped_from=step, skipped_to=last)  # fmt: skip
+                        done = last + 1
+                    else:
+                        with outputs.timer.part("data"):
+                            tokens, segment_ids = _global_batch(
+                                source.batch(step - phase.start_step), mesh, run
+                            )
+                        with outputs.timer.part("compute"):
+                            state, metrics = step_fn(state, tokens, segment_ids)
+                            metrics = jax.device_get(metrics)
+                        reason = int(metrics["skip_reason"])
+                        if not config.guard.enabled:
+                            _stop_on_a_bad_loss(metrics, step, run, checkpoints)
+                        row = progress.row(step, metrics, outputs, first=step == start,
+                                           last=step == target - 1)  # fmt: skip
+                        outputs.writer.write(row)
+                        rows.append(row)
+                        done = step + 1
+                        if reason != APPLIED:
+                            events.add("skip", step, f"{REASONS[reason]}: loss {row['loss']:.4g}, gradient "
+                                       f"norm {row['grad_norm']:.4g}", reason=REASONS[reason],
+                                       loss=row["loss"], grad_norm=row["grad_norm"])  # fmt: skip
+                            if rollback.due(int(metrics["consecutive_skips"])):
+                                state, done = rollback.restore(step, int(metrics["consecutive_skips"]),
+                                                               row["loss"], progress, excluded)  # fmt: skip
+                        every = config.evaluation.every
+                        if evaluator is not None and due(done, start, every, phase.end_step, target):
+                            # After the step's row and before its checkpoint: a checkpoint's step has its
+                            # records. The first evaluation compiles: it has the first step's time.
+                            if not evaluated:
+                                watchdog.arm(times.first_step_seconds, first=True)
+                            began = time.perf_counter()
+                            evals.write(
+                                evaluator.evaluate(
+                                    state["params"], state["router_bias"], done, phase.name,
+                                    progress.tokens_seen,
+                                )
+                            )  # fmt: skip
+                            evaluated = True
+                            # The next row's throughput excludes it.
+                            progress.last += time.perf_counter() - began
+                    if stop_after is not None and done - start >= stop_after:
+                        if done % config.checkpoint.every == 0:
+                            saves.save(done, state, progress.record(done))
+                        log.info("stopping after %d steps as asked (simulated interruption)", stop_after)
+                        break
+                    if done % config.checkpoint.every == 0 or done == target:
+                        # Starting a save waits for the one before: a large state's write has the long time.
+                        watchdog.arm(times.first_step_seconds)
+                        with outputs.timer.part("checkpoint"):
+                            saves.save(done, state, progress.record(done))
+                    outputs.publish_if_due(done, target, saves.saved)
+                    if rows and rows[-1]["step"] == done - 1 and (step == start or done % 10 == 0
+                                                                  or done == target):  # fmt: skip
+                        _log_step(rows[-1])
+                    watchdog.arm(times.step_seconds)
+                    saves.poll()
+                    if _any_process(preemption.requested is not None):
+                        _checkpoint_and_stop(preemption.requested or "a signal on another process", done,
+                                             state, progress, saves, events)  # fmt: skip
+                    step = done
         finally:
+            failure = sys.exc_info()[1]
+            # Closing waits for the checkpoint writes (the long time: a large state's write): a hang there
+            # is a hang too.
+            watchdog.arm(times.first_step_seconds)
+            try:
+                checkpoints.wait()
+                saves.flush()
+            except Exception:  # noqa: BLE001 (the failure being raised matters more)
+                log.exception("waiting for the last checkpoint failed")
+            if failure is None and done == target:
+                events.add("finish", done, f"phase {phase.name} reached step {target}")
+            elif failure is not None and not isinstance(failure, Preempted):
+                events.add("stop", done, f"{type(failure).__name__}: {failure}", exit_code=1)
             if evals is not None:
                 evals.close()
-            outputs.close(checkpoints, done, target, saved, failure=sys.exc_info()[1])
+            outputs.close(checkpoints, done, target, saves.saved, failure=failure)
+            watchdog.stop()
     return rows
+
+
+def _state_layout(init_fn: Any, shardings: Any, seed: int) -> Any:
+    """The train state's shapes and shardings, the layout a restore fills in (no state is built)."""
+    return jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        jax.eval_shape(init_fn, jax.random.key(seed)),
+        shardings,
+    )
+
+
+def _at_step(state: dict, step: int) -> dict:
+    """The state with its step counter at `step` (steps skipped without being computed)."""
+    state = dict(state)
+    state["step"] = jax.device_put(np.asarray(step, np.int32), state["step"].sharding)
+    return state
+
+
+def _any_process(flag: bool) -> bool:
+    """Whether `flag` holds on any process: a signal that reached one host stops them all at the same step."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.max(multihost_utils.process_allgather(np.asarray([int(flag)], np.int32))))
+
+
+@dataclass
+class _Saves:
+    """Checkpoint saves and their events: a save is recorded once it is complete on disk (an asynchronous
+    one when the next save or the end waits for it), so a checkpoint cut short by a crash never is."""
+
+    checkpoints: Checkpointer
+    events: EventLog
+    asynchronous: bool
+    saved: int | None = None  # the latest checkpoint this command started
+    pending: int | None = None  # started, not yet known complete
+
+    def save(self, step: int, state: dict, record: dict) -> None:
+        # Orbax waits for the save before this one anyway; waiting first records it before this one starts.
+        self.checkpoints.wait()
+        self.flush()
+        self.checkpoints.save(step, state, record)
+        self.saved = step
+        if self.asynchronous:
+            self.pending = step
+        else:
+            self._record(step)
+
+    def poll(self) -> None:
+        """Record the pending save if it has completed meanwhile (never waits)."""
+        if self.pending is not None and not self.checkpoints.saving():
+            self.flush()
+
+    def flush(self) -> None:
+        """Record the pending save: call after something waited for it."""
+        if self.pending is not None:
+            self._record(self.pending)
+            self.pending = None
+
+    def _record(self, step: int) -> None:
+        self.events.add("checkpoint", step, f"checkpoint {step} complete", checkpoint=step)
+
+
+@dataclass
+class _Rollback:
+    """After guard.rollback_after skipped steps in a row: restore the latest checkpoint at or before the
+    first of them and never train the steps from it to the last skipped one (the data since the checkpoint
+    is suspected, and training it again from the same state would give the same skips); at most
+    guard.max_rollbacks times in a command, then a TrainingError stops the run."""
+
+    run: ResolvedRun
+    checkpoints: Checkpointer
+    layout: Any
+    events: EventLog
+    saves: _Saves
+    count: int = 0
+
+    def due(self, consecutive: int) -> bool:
+        after = self.run.config.guard.rollback_after
+        return after > 0 and consecutive >= after
+
+    def restore(self, step: int, consecutive: int, loss: float, progress: _Progress,
+                excluded: set[int]) -> tuple[dict, int]:  # fmt: skip
+        """(the restored state, its step counter at step + 1, and the step to go on from)."""
+        phase, guard_config = self.run.phase, self.run.config.guard
+        self.checkpoints.wait()
+        self.saves.flush()
+        first = step - consecutive + 1
+        good = [s for s in self.checkpoints.all_steps() if phase.start_step <= s <= first]
+        where = f"{self.checkpoints.path(max(good))} (step {max(good)})" if good else "none"
+        if not good or self.count >= guard_config.max_rollbacks:
+            why = "no checkpoint of this phase to roll back to" if not good else (
+                f"{self.count} rollbacks already")  # fmt: skip
+            raise TrainingError(
+                f"loss is {loss} at step {step} (phase {phase.name}): {consecutive} steps skipped in a row "
+                f"and {why}; stopped. Last good checkpoint: {where}"
+            )
+        self.count += 1
+        back = max(good)
+        state, meta = self.checkpoints.restore(back, self.layout)
+        # The checkpoints after it hold the trajectory given up: a rerun must not resume from them.
+        for later in self.checkpoints.all_steps():
+            if later > back:
+                self.checkpoints.delete(later)
+        if self.saves.saved is not None and self.saves.saved > back:
+            self.saves.saved = back
+        excluded.update(range(back, step + 1))
+        progress.tokens_seen = int(meta.get("tokens", progress.tokens_seen))
+        progress.flops_done = float(meta.get("flops", progress.flops_done))
+        self.events.add(
+            "rollback", step,
+            f"{consecutive} steps skipped in a row: restored checkpoint {back}; steps {back}..{step} are "
+            "never trained", consecutive=consecutive, checkpoint=back, skipped_from=back, skipped_to=step,
+        )  # fmt: skip
+        return _at_step(state, step + 1), step + 1
+
+
+def _checkpoint_and_stop(
+    name: str, done: int, state: dict, progress: _Progress, saves: _Saves, events: EventLog
+) -> None:
+    """After a preemption signal: the state after `done` steps saved and complete, then Preempted."""
+    if saves.saved != done:
+        saves.save(done, state, progress.record(done))
+    saves.checkpoints.wait()
+    saves.flush()
+    events.add("preemption", done, f"{name}: checkpoint {done} written; exit {REQUEUE_EXIT} to be requeued",
+               signal=name, checkpoint=done, exit_code=REQUEUE_EXIT)  # fmt: skip
+    raise Preempted(f"{name}: checkpointed at step {done}")
 
 
 def _target_step(run: ResolvedRun) -> int:
@@ -157,19 +384,14 @@ def _mesh_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:
 def _restore_or_start(
     run: ResolvedRun,
     init_fn: Any,
-    shardings: Any,
+    layout: Any,
     checkpoints: Checkpointer,
     identity: dict,
     allow_data_change: bool,
 ) -> tuple[dict, int, dict, list[Change]]:
-    """resume.restore_or_start with the state's shapes and shardings as the layout a restore fills in,
+    """resume.restore_or_start with the state's layout (shapes and shardings) as what a restore fills in,
     without building a fresh state first."""
     seed = run.config.seed
-    layout = jax.tree.map(
-        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        jax.eval_shape(init_fn, jax.random.key(seed)),
-        shardings,
-    )
     fresh = lambda: init_fn(jax.random.key(seed))  # noqa: E731
     return restore_or_start(fresh, layout, checkpoints, run, identity, allow_data_change)
 
@@ -336,8 +558,10 @@ class _Progress:
         """The metrics.jsonl row of a step just taken (docs/formats.md, "Runs")."""
         now = time.perf_counter()
         elapsed, self.last = now - self.last, now
-        self.tokens_seen += self.tokens_per_step
-        self.flops_done += self.step_flops
+        reason = int(metrics.get("skip_reason", APPLIED))
+        if reason == APPLIED:  # a skipped step's tokens were not trained on
+            self.tokens_seen += self.tokens_per_step
+            self.flops_done += self.step_flops
         row = {
             "step": step,
             "phase": self.run.phase.name,
@@ -363,12 +587,32 @@ class _Progress:
             **outputs.timer.take(elapsed),
             **outputs.telemetry.sample(),
         }
+        if reason != APPLIED:
+            row["skipped"] = REASONS[reason]
+        health_every = self.run.config.logging.health_every
+        if "health" in metrics and health_every and step % health_every == 0:
+            row.update(_health_row(metrics["health"]))
         # The whole [layers, experts] load is 18k numbers a row for the 535B: written at the first and last
         # step of each run of this command and every expert_load_every steps.
         every = self.run.config.logging.expert_load_every
         if first or last or (step - self.run.phase.start_step) % every == 0:
             row["expert_load"] = [[round(float(x), 6) for x in layer] for layer in metrics["expert_load"]]
         return row
+
+
+def _health_row(sampled: dict) -> dict:
+    """health.py's sampled metrics as metrics.jsonl keys: lists per layer, numbers per other group."""
+
+    def plain(value: Any) -> Any:
+        value = np.asarray(value)
+        return [round(float(x), 6) for x in value] if value.ndim else round(float(value), 6)
+
+    return {
+        "param_norms": {group: plain(value) for group, value in sampled["param_norms"].items()},
+        "update_norms": {group: plain(value) for group, value in sampled["update_norms"].items()},
+        "router_bias_change": plain(sampled["router_bias_change"]),
+        "router_z_loss_layers": plain(sampled["router_z_loss_layers"]),
+    }
 
 
 def _stop_on_a_bad_loss(metrics: dict, step: int, run: ResolvedRun, checkpoints: Checkpointer) -> None:

@@ -52,6 +52,7 @@ class MetricsWriter:
                 flat[f"router_bias_norm/layer{layer}"] = norm
             for layer, imbalance in enumerate(row["expert_imbalance"]):
                 flat[f"expert_imbalance/layer{layer}"] = imbalance
+            flat.update(_health_keys(row))
             self.wandb.log(flat, step=row["step"])
 
     @property
@@ -64,6 +65,27 @@ class MetricsWriter:
             self.file.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+def _health_keys(row: dict) -> dict[str, float]:
+    """The sampled per-layer health of a row (loop._health_row) as flat W&B keys: `update_norms/experts/
+    layer3`, `router_bias_change/layer0`, `param_norms/embed`."""
+    flat: dict[str, float] = {}
+
+    def put(prefix: str, value: object) -> None:
+        if isinstance(value, list):
+            for layer, item in enumerate(value):
+                flat[f"{prefix}/layer{layer}"] = item
+        elif isinstance(value, int | float):
+            flat[prefix] = value
+
+    for key in ("param_norms", "update_norms"):
+        for group, value in (row.get(key) or {}).items():
+            put(f"{key}/{group}", value)
+    for key in ("router_bias_change", "router_z_loss_layers"):
+        if key in row:
+            put(key, row[key])
+    return flat
 
 
 def _step_of(line: str) -> int:

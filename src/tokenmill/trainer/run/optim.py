@@ -398,10 +398,18 @@ class LayerwiseOptimizer:
         return {"rest": self.rule.init(rest), LAYERS: [jax.vmap(self.rule.init)(group) for group in groups]}
 
     def apply(
-        self, grads: Any, state: dict, params: Any, learning_rate: Any, grad_scale: Any = 1.0
+        self,
+        grads: Any,
+        state: dict,
+        params: Any,
+        learning_rate: Any,
+        grad_scale: Any = 1.0,
+        grad_norm: jax.Array | None = None,
     ) -> tuple[Any, dict, jax.Array]:
-        """(new parameters, new state, the gradients' global norm) for gradients `grads x grad_scale`."""
-        grad_norm = optax.tree.norm(grads) * grad_scale
+        """(new parameters, new state, the gradients' global norm) for gradients `grads x grad_scale`;
+        `grad_norm`, when the caller has it already (the step's guard), is that norm."""
+        if grad_norm is None:
+            grad_norm = optax.tree.norm(grads) * grad_scale
         scale = jnp.asarray(grad_scale, jnp.float32)
         if self.clip_norm:
             scale = scale * jnp.where(grad_norm < self.clip_norm, 1.0, self.clip_norm / grad_norm)

@@ -1,9 +1,10 @@
 """One train step, built and jitted: value_and_grad of the loss (over microbatches when asked), the
-optimizer update, then the router-bias balancing update outside the optimizer.
+guard's decision (guard.py), then the optimizer update and the router-bias balancing update outside the
+optimizer, both left out of a skipped step.
 
-Everything a step needs is one state pytree {step, params, opt_state, router_bias}, so that a checkpoint
-restores exactly the run it came from. `compile_train_step` is also what `tokenmill model compile` lowers
-ahead of time (compile.py).
+Everything a step needs is one state pytree {step, params, opt_state, router_bias, guard}, so that a
+checkpoint restores exactly the run it came from. `compile_train_step` is also what `tokenmill model
+compile` lowers ahead of time (compile.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from tokenmill.trainer.model.sharding import (
     param_shardings,
     state_shardings,
 )
-from tokenmill.trainer.run.config import ResolvedRun
+from tokenmill.trainer.run import guard
+from tokenmill.trainer.run.config import GuardConfig, ResolvedRun
+from tokenmill.trainer.run.health import health
 from tokenmill.trainer.run.heuristic import ADAM_TO_MUONH_LR_RATIO
 from tokenmill.trainer.run.optim import LayerwiseOptimizer, Schedule, make_optimizer
 
@@ -48,8 +51,21 @@ def make_train_step(
     dtype: Any,
     microbatches: int = 1,
     grad_shardings: Any = None,
+    guard_config: GuardConfig | None = None,
+    health_every: int = 0,
 ):
     """The step function (to be jitted): (state, tokens, segment_ids) -> (state, metrics).
+
+    With `guard_config` enabled, the step's loss and gradient norm are checked against the state's window
+    first (guard.py) and the update runs under `lax.cond`: a skipped step returns the parameters, the
+    optimizer state and the router bias it was given, untouched, and `skip_reason` says why (0: applied).
+    The check adds the window's two vectors and one global norm of the gradients (which the update then
+    reuses); no memory grows with the model.
+
+    With `health_every` N > 0, every step whose global index is a multiple of N also gives `health`
+    (health.py: norms per parameter group and layer of the parameters and of the update, the router
+    bias's change and z-loss per layer), under `lax.cond`: the other steps compute none of it. The update's
+    norms take one fp32 difference of the parameters, a leaf at a time.
 
     With `microbatches` N > 1 the batch runs as N microbatches under jax.lax.scan (gradient accumulation):
     each has a forward and a backward pass, their gradients are summed in fp32 (sharded as `grad_shardings`
@@ -110,15 +126,32 @@ def make_train_step(
     def train_step(state: dict, tokens: jax.Array, segment_ids: jax.Array) -> tuple[dict, dict]:
         (total_loss, (loss, stats)), grads, grad_scale = accumulated(state, tokens, segment_ids)
         lr = schedule(state["step"])
-        params, opt_state, grad_norm = optimizer.apply(
-            grads, state["opt_state"], state["params"], lr, grad_scale
-        )
-        router_bias = update_router_bias(state["router_bias"], stats.load, stats.quantile_bias, m)
+
+        def update(grad_norm: jax.Array | None = None) -> tuple:
+            params, opt_state, grad_norm = optimizer.apply(
+                grads, state["opt_state"], state["params"], lr, grad_scale, grad_norm
+            )
+            router_bias = update_router_bias(state["router_bias"], stats.load, stats.quantile_bias, m)
+            return params, opt_state, router_bias, grad_norm
+
+        window = state.get("guard")  # a state built without one (tests of the bare step) has none
+        if guard_config is not None and guard_config.enabled and window is not None:
+            grad_norm = optax.tree.norm(grads) * grad_scale
+            reason = guard.decide(window, loss, grad_norm, guard_config.sigmas, guard_config.warmup)
+            kept = (state["params"], state["opt_state"], state["router_bias"], grad_norm)
+            params, opt_state, router_bias, _ = jax.lax.cond(
+                reason == guard.APPLIED, lambda: update(grad_norm), lambda: kept
+            )
+            window = guard.record(window, loss, grad_norm, reason)
+        else:
+            params, opt_state, router_bias, grad_norm = update()
+            reason = jnp.int32(guard.APPLIED)
         new_state = {
             "step": state["step"] + 1,
             "params": params,
             "opt_state": opt_state,
             "router_bias": router_bias,
+            **({"guard": window} if window is not None else {}),
         }
 
         assignments = tokens.shape[0] * (tokens.shape[1] - 1) * m.top_k
@@ -137,7 +170,18 @@ def make_train_step(
             "drop_fraction": stats.dropped.sum() / (assignments * model_cfg.n_layers),
             "balance_loss": stats.balance_loss.mean(),
             "router_z_loss": stats.z_loss.mean(),
+            "skip_reason": reason,
+            "consecutive_skips": window["consecutive"] if window is not None else jnp.int32(0),
         }
+        if health_every:
+
+            def sample() -> dict:
+                return health(state["params"], params, state["router_bias"], router_bias, stats.z_loss,
+                              model_cfg)  # fmt: skip
+
+            shapes = jax.eval_shape(sample)
+            nothing = lambda: jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)  # noqa: E731
+            metrics["health"] = jax.lax.cond(state["step"] % health_every == 0, sample, nothing)
         return new_state, metrics
 
     return train_step
@@ -160,7 +204,12 @@ def compile_train_step(run: ResolvedRun, mesh: jax.sharding.Mesh) -> tuple:
     step it measures is this one."""
     model_cfg, opt, compute_dtype = run.model, run.config.optimizer, run.config.compute_dtype
     schedule = make_schedule(run)
-    key = (model_cfg.model_dump_json(), opt.model_dump_json(), compute_dtype, schedule, mesh)
+    guard_config = run.config.guard
+    # What the compiled step depends on of the guard (not what the loop does after a skip).
+    guard_key = guard_config.model_dump_json(include={"enabled", "sigmas", "window", "warmup"})
+    health_every = run.config.logging.health_every
+    key = (model_cfg.model_dump_json(), opt.model_dump_json(), compute_dtype, schedule, mesh, guard_key,
+           health_every)  # fmt: skip
     if key in _COMPILED_STEPS:
         return _COMPILED_STEPS[key]
     dtype = jnp.bfloat16 if compute_dtype == "bfloat16" else jnp.float32
@@ -184,6 +233,7 @@ def compile_train_step(run: ResolvedRun, mesh: jax.sharding.Mesh) -> tuple:
             "params": params,
             "opt_state": optimizer.init(params),
             "router_bias": transformer.init_router_bias(model_cfg),
+            "guard": guard.init_window(guard_config.window),
         }
 
     abstract_state = jax.eval_shape(init_state, jax.random.key(0))
@@ -191,7 +241,9 @@ def compile_train_step(run: ResolvedRun, mesh: jax.sharding.Mesh) -> tuple:
         abstract_state, param_shardings(abstract_params, mesh), mesh, optimizer_memory=opt.state_memory
     )
     grad_shardings = device_memory(shardings["params"])
-    step = make_train_step(model_cfg, optimizer, schedule, dtype, opt.microbatches, grad_shardings)
+    step = make_train_step(
+        model_cfg, optimizer, schedule, dtype, opt.microbatches, grad_shardings, guard_config, health_every
+    )
     init_fn = jax.jit(init_state, out_shardings=shardings)
     step_fn = jax.jit(
         step,
