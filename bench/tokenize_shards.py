@@ -104,6 +104,8 @@ def write_corpus(root: Path, files: int, documents_per_file: int, code: list[str
             "n_chars": [len(t) for t in texts],
             "n_words": [len(t.split()) for t in texts],
             "dup_cluster": [None] * m,
+            "dup_cluster_size": [1] * m,
+            "pii": [None] * m,
         }
         table = pa.table(columns, schema=DOCUMENT_SCHEMA)
         path = root / cell / f"part-{n // len(cells):05d}-of-{files // len(cells):05d}.parquet"

@@ -10,6 +10,10 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+#: The `pii` column's type: finds per kind (tokenmill.filters.pii.PLACEHOLDERS' kinds, in this order).
+PII_KINDS = ("email", "phone", "ip", "credit_card", "iban")
+PII_COUNTS = pa.struct([(kind, pa.int32()) for kind in PII_KINDS])
+
 DOCUMENT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -29,10 +33,15 @@ DOCUMENT_SCHEMA = pa.schema(
         # Documents this one stands for: itself, its exact copies and near duplicates, transitively
         # (tokenmill.pipelines.dedupe_clusters); 1 without duplicates, null in removed/.
         ("dup_cluster_size", pa.int64()),
+        # Personal data found per kind by the pii stage (tokenmill.filters.pii): masked or flagged in a kept
+        # document, in the text of a removed one; null where no pii stage ran.
+        ("pii", PII_COUNTS),
     ]
 )
 #: The column of DOCUMENT_SCHEMA that says how many documents a kept document stands for.
 CLUSTER_SIZE = "dup_cluster_size"
+#: The column of DOCUMENT_SCHEMA with a document's personal-data finds per kind.
+PII = "pii"
 
 
 def cluster_size_bin(size: int) -> str:

@@ -50,6 +50,7 @@ from tokenmill.filters.decontam import Decontaminate
 from tokenmill.filters.heuristics import FILTER_CLASSES, HeuristicFilter, datatrove_filter_class
 from tokenmill.filters.language import LanguageFilter
 from tokenmill.filters.normalize import Normalize
+from tokenmill.filters.pii import PersonalData
 from tokenmill.filters.url_filter import UrlFilter
 from tokenmill.units import parse_byte_size
 from tokenmill.validation import validation_problems
@@ -73,6 +74,7 @@ DOCUMENT_STAGES: dict[str, Callable[..., DocumentStep]] = {
     "domain_clusters": DomainClusters,
     "decontam": Decontaminate,
     "url_filter": UrlFilter,
+    "pii": PersonalData,
 }
 #: Stages that compare documents across inputs: kind -> "module:PTransform" (imported when used, so that
 #: recipes load without Beam's start-up cost where only the per-document stages are needed).
