@@ -100,6 +100,7 @@ def test_sample_accounting_balances_and_matches_the_files(sample_run):
         "gopher_quality",
         "fineweb_quality",
         "c4",
+        "pii",
     ]
     # Every kind of planted noise was caught somewhere.
     kinds = Counter(json.loads(row["metadata"]).get("kind") for row in removed)
@@ -131,6 +132,7 @@ def test_curated_layout_and_schema(sample_run):
         "n_words",
         "dup_cluster",
         "dup_cluster_size",
+        "pii",
     ]
     assert str(table.schema.field("quality").type) == "int8"
     assert str(table.schema.field("dup_cluster_size").type) == "int64"

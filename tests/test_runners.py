@@ -437,6 +437,8 @@ def test_workers_get_the_dataflow_extra_and_never_the_trainer():
         "optax",
         "orbax-checkpoint",
         "scikit-learn",  # the mixture search's Gaussian-process fit
+        "safetensors",  # tokenmill export hf
+        "ml_dtypes",
     }
     # An extra folded into the worker's requirements keeps any other condition it had.
     folded = worker_metadata('Requires-Dist: gcsfs>=2024; python_version >= "3.11" and extra == "dataflow"\n')
