@@ -93,7 +93,7 @@ def _export_hf(args: argparse.Namespace) -> int:
         raise UsageError(f"export hf --run {args.run}: {error}") from error
     print(
         f"exported {record['run']} step {record['step']} ({record['dtype']}) to {args.output}: "
-        f"{len(record['files'])} files"
+        f"{len(record['files']) + 1} files"
     )
     return 0
 
