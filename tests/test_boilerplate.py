@@ -143,6 +143,18 @@ def test_documentation_pages_keep_their_text_and_pass_fineweb_after_the_navigati
     assert numbers["lines_removed"] == 30 * per_page + 5 * (len(NAVIGATION) + len(FOOTER))
     assert numbers["documents_edited"] == 30 and numbers["documents_removed"] == 5
     assert numbers["frequent_lines"] == len(NAVIGATION) + len(FOOTER)
+    # The report per source, through curate's summing of stage statistics: only docs.jsonl had boilerplate;
+    # each of its 10 top lines is on all 35 of its pages, with the text the pages write.
+    report = numbers["sources"]
+    assert list(report) == ["source:docs.jsonl"]
+    docs = report["source:docs.jsonl"]
+    assert (docs["lines_removed"], docs["characters_removed"]) == (
+        numbers["lines_removed"],
+        numbers["characters_removed"],
+    )
+    assert docs["documents"] == docs["documents_counted"] == 35 and docs["documents_removed"] == 5
+    assert len(docs["top_lines"]) == 10 and {line["documents"] for line in docs["top_lines"]} == {35}
+    assert {line["text"] for line in docs["top_lines"]} <= set(NAVIGATION + FOOTER)
 
 
 def test_a_sample_of_the_documents_finds_the_lines_and_every_document_is_edited():
@@ -189,3 +201,74 @@ def test_a_sample_of_the_documents_finds_the_lines_and_every_document_is_edited(
         assert_that(counted, equal_to([sampled]), label="Counted")
         with pytest.raises(ValueError, match="sample_every must be a positive integer"):
             LineBoilerplate(sample_every=0)
+
+
+def test_the_stage_reports_per_source_what_it_removed_and_its_most_repeated_lines():
+    """stats.json's `sources` entry: per source the documents and characters the stage saw, the lines and
+    characters it removed (as strip_lines counts them), and its top lines by documents counted, each with
+    its text as written, cut to line_chars; only the top_sources sources with most characters removed."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+    from apache_beam.testing.util import assert_that
+
+    from tokenmill.filters.base import sum_numbers
+    from tokenmill.pipelines.line_boilerplate import LineBoilerplate
+
+    hostile = "<script>window.__pwned=1</script> Menu " + "x" * 300
+    documents = [
+        {
+            "id": f"site:{n}",
+            "source": "site.jsonl",
+            "text": "\n".join(
+                ["Home | Docs | Blog", f"Page {n} says something of its own."]
+                + (["  HOSTILE   " + hostile] if n < 30 else [])
+                + (["Subscribe to our newsletter"] if n % 2 else [])
+            ),
+        }
+        for n in range(40)
+    ]
+    documents += [
+        {"id": f"small:{n}", "source": "small.jsonl", "text": f"Skip to content\nOwn text {n}."}
+        for n in range(12)
+    ]
+    documents += [{"id": f"plain:{n}", "source": "plain.jsonl", "text": f"Only {n}."} for n in range(12)]
+    expected_removed = {}
+    for source, frequent in (
+        ("site.jsonl", {line_hash(line) for line in ("Home | Docs | Blog", "HOSTILE " + hostile,
+                                                     "Subscribe to our newsletter")}),
+        ("small.jsonl", {line_hash("Skip to content")}),
+    ):  # fmt: skip
+        edits = [strip_lines(d["text"], frequent) for d in documents if d["source"] == source]
+        expected_removed[f"source:{source}"] = (
+            sum(e.lines_removed for e in edits),
+            sum(e.characters_removed for e in edits),
+        )
+
+    def check(reports):
+        merged = sum_numbers([numbers for _, numbers in reports])
+        sources = merged["sources"]
+        assert list(sources) == ["source:site.jsonl"]  # top_sources=1: the one with most removed
+        site = sources["source:site.jsonl"]
+        assert (site["lines_removed"], site["characters_removed"]) == expected_removed["source:site.jsonl"]
+        assert site["documents"] == 40 and site["documents_counted"] == 40
+        assert site["characters"] == sum(len(d["text"]) for d in documents if d["source"] == "site.jsonl")
+        assert site["documents_edited"] == 40 and site["documents_removed"] == 0
+        assert site["frequent_lines"] == 3
+        assert site["top_lines"] == [
+            {"text": "Home | Docs | Blog", "documents": 40},
+            {"text": ("HOSTILE   " + hostile)[:64], "documents": 30},  # as written, stripped, cut
+        ]
+        assert merged["lines_removed"] == sum(removed for removed, _ in expected_removed.values())
+
+    options = PipelineOptions(["--direct_num_workers=1", "--direct_running_mode=in_memory"])
+    with beam.Pipeline(runner=FnApiRunner(), options=options) as pipeline:
+        result = (
+            pipeline
+            | beam.Create([None])
+            | beam.FlatMap(lambda _: [dict(d) for d in documents])
+            | LineBoilerplate(min_documents=10, min_fraction=0.1, top_lines=2, top_sources=1, line_chars=64)
+        )
+        assert_that(result["stats"] | beam.combiners.ToList(), lambda lists: check(lists[0]))
+    with pytest.raises(ValueError, match="top_lines must be an integer >= 0"):
+        LineBoilerplate(top_lines=-1)

@@ -333,3 +333,48 @@ def test_removed_documents_can_be_recorded_without_their_text(tmp_path):
     assert huge[0]["id"] == "huge.jsonl:huge" and huge[0]["n_chars"] == 50_000_000 and huge[0]["detail"]
     # The curated side is untouched.
     assert all(row["text"] for row in parquet_rows(tmp_path / "out" / "curated"))
+
+
+def test_sources_get_their_license_and_provenance_from_the_recipe_and_the_records(tmp_path):
+    inputs = tmp_path / "inputs"
+    (inputs / "crawl").mkdir(parents=True)
+    records = {
+        "crawl/a.jsonl": [{"id": f"a{n}", "text": f"Document {n} of a.", "meta": {"license": lic}}
+                          for n, lic in enumerate(["CC-BY-4.0", "CC-BY-4.0", "MIT", ""])],
+        "crawl/b.jsonl": [{"id": "b0", "text": "The only one of b.", "meta": {"license": ["MIT", "X"]}}],
+        "books.jsonl": [{"id": "c0", "text": "A book.", "meta": "not an object"}],
+    }  # fmt: skip
+    for name, rows in records.items():
+        (inputs / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "name: licensed\nfields: {license: meta.license}\nsources:\n"
+        '  "crawl/b*": {license: "<script>x</script> GPL-3.0", provenance: "https://example.org/b"}\n'
+        '  "crawl/*": {license: CC-BY-4.0}\n'
+        '  "unused/*": {provenance: nowhere}\n'
+    )
+    stats = curate(tmp_path / "out", str(inputs / "**" / "*.jsonl"), str(inputs / "*.jsonl"), recipe=recipe)
+    sources = stats["sources"]
+    # The first pattern that matches gives the license (kept as text), the records their own licenses.
+    assert sources["crawl/b.jsonl"]["license"] == "<script>x</script> GPL-3.0"
+    assert sources["crawl/b.jsonl"]["provenance"] == "https://example.org/b"
+    assert sources["crawl/b.jsonl"]["licenses"] == {'["MIT", "X"]': 1}
+    assert sources["crawl/a.jsonl"]["license"] == "CC-BY-4.0" and "provenance" not in sources["crawl/a.jsonl"]
+    assert sources["crawl/a.jsonl"]["licenses"] == {"CC-BY-4.0": 2, "MIT": 1}  # an empty one is none
+    assert set(sources["books.jsonl"]) == {"read", "kept", "removed", "rejected"}  # nothing says
+
+
+def test_a_bad_sources_table_names_the_field(tmp_path):
+    from tokenmill.pipelines.recipe import RecipeError, load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    for table, field in (
+        ('  "web-*": {licence: MIT}\n', "sources.web-*.licence: Extra inputs are not permitted"),
+        ('  "web-*": {}\n', "sources.web-*: Value error, give a license, a provenance or both"),
+        ('  "web-*": {license: ""}\n', "sources.web-*.license: String should have at least 1 character"),
+        ('  "web-*": MIT\n', "sources.web-*: Input should be a valid dictionary"),
+    ):  # fmt: skip
+        recipe.write_text(f"name: r\nsources:\n{table}")
+        with pytest.raises(RecipeError) as error:
+            load_recipe(recipe)
+        assert str(error.value).startswith(f"{recipe}: ") and field in str(error.value)

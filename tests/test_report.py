@@ -21,11 +21,18 @@ from tokenmill.formats.plan import plan_from_json, read_plan
 from tokenmill.formats.runs import read_metrics
 from tokenmill.formats.tokens import read_counts
 from tokenmill.reports import svg
+from tokenmill.reports.display import safe_href
 from tokenmill.reports.inputs import sample_indices
-from tokenmill.reports.overview import OverviewOptions, safe_href
+from tokenmill.reports.overview import OverviewOptions
 from tokenmill.reports.plans import cell_allocation, plan_changes
 from tokenmill.reports.site import build_site
-from tokenmill.samples.report_inputs import HOSTILE_DOMAIN, ReportInputs, make_report_inputs, report_args
+from tokenmill.samples.report_inputs import (
+    HOSTILE_DOMAIN,
+    HOSTILE_MARKUP,
+    ReportInputs,
+    make_report_inputs,
+    report_args,
+)
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +123,41 @@ class TagCollector(HTMLParser):
         self.text.append(data)
 
 
+def table_rows(html: str, table_class: str) -> list[list[str]]:
+    """The text of each body row's cells of the first <table class="table_class">."""
+    table = html.split(f'<table class="{table_class}">', 1)[1].split("</table>", 1)[0]
+    body = table.split("<tbody>", 1)[1]
+    return [
+        [re.sub(r"<[^>]+>", "", cell).strip() for cell in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+        for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body, re.S)
+    ]
+
+
 def test_contamination_per_evaluation_set(site: Path) -> None:
+    from tokenmill.samples.report_inputs import DECONTAM_FLAGGED, DECONTAM_REMOVED
+
     html = (site / "index.html").read_text()
-    section = html.split("Contamination by evaluation set", 1)[1].split("</table>", 1)[0]
-    assert "gsm8k-test" in section and "mmlu-test" in section
-    assert section.index("gsm8k-test") < section.index("mmlu-test")
-    # Per benchmark: documents, their share of those checked, and how they matched.
-    rows = re.findall(r"<tr><td>([\w-]+)</td>((?:<td class=\"num\">[^<]*</td>)+)</tr>", section)
-    cells = {name: re.findall(r">([^<]*)<", numbers)[::2] for name, numbers in rows}
-    assert cells["gsm8k-test"][0] == "3" and cells["gsm8k-test"][2:] == ["2", "1", "0"]
-    assert cells["mmlu-test"][0] == "2" and cells["mmlu-test"][2:] == ["1", "0", "1"]
-    assert cells["mmlu-test"][1].endswith("%")
+    rows = {row[0]: row[1:] for row in table_rows(html, "contamination")}
+    assert list(rows) == ["gsm8k-test", "mmlu-test"]
+    # Per benchmark: documents, their share of those checked, how they matched, how many were removed
+    # (removed/ rows whose detail names the set) and flagged (kept, named in their metadata), examples.
+    for name, cells in rows.items():
+        removed = [kind for matches in DECONTAM_REMOVED for set_name, kind in matches if set_name == name]
+        flagged = [kind for set_name, kind in DECONTAM_FLAGGED if set_name == name]
+        kinds = removed + flagged
+        assert cells[0] == str(len(kinds)) and cells[1].endswith("%")
+        assert cells[2:5] == [str(kinds.count(kind)) for kind in ("verbatim", "edited", "partial")]
+        assert cells[5:7] == [str(len(removed)), str(len(flagged))]
+        assert cells[7] == str(len(kinds))  # every one of them drawn as an example (3 at most)
+    # The examples are the paragraph that matched, the document's own text around it left out.
+    section = html.split('<details class="contaminated" id="contamination-0">', 1)[1].split("</details>", 1)[
+        0
+    ]
+    assert section.count('class="sample"') == 3
+    assert "FLAGGED-DECONTAM" in section and "An opening paragraph." not in section
+    assert "HOSTILE-DECONTAM 0" in section and "An unrelated opening" not in section
+    assert section.count('badge bad">removed<') == 2 and section.count('badge warn">flagged<') == 1
+    assert "&lt;script&gt;window.__pwned=1&lt;/script&gt; HOSTILE-DECONTAM" in section
 
 
 def test_hostile_documents_are_text(site: Path) -> None:
@@ -154,8 +185,14 @@ def test_hostile_documents_are_text(site: Path) -> None:
                 "HOSTILE-IMG",
                 "HOSTILE-REMOVED",
                 "HOSTILE-REJECTED",
+                "HOSTILE-LINE",  # a repeated line (line_boilerplate's report)
+                "HOSTILE-LICENSE",  # a source's license
+                "HOSTILE-DECONTAM",  # a decontam example
             ):
                 assert marker in text
+            for marker in ("HOSTILE-LINE", "HOSTILE-LICENSE", "HOSTILE-DECONTAM"):
+                # The markup itself is on the page as text, right before the marker.
+                assert re.search(re.escape(HOSTILE_MARKUP) + r"[^\n]{0,20}" + marker, text), marker
             assert "<script>window.__pwned" in text and "</textarea></pre></div>" in text
             assert "javascript:window.__pwned=1" in text  # shown, not linked
             # The layout survives: every card and every section is still there, in order.
@@ -168,6 +205,156 @@ def test_hostile_documents_are_text(site: Path) -> None:
                 "mixture",
                 "data",
             ]
+
+
+def _stats(inputs: ReportInputs):
+    from tokenmill.formats.stats import read_stats
+
+    return read_stats(str(inputs.curate / "stats.json"))
+
+
+def _folded(html: str, anchor: str) -> str:
+    return html.split(f'id="{anchor}">', 1)[1].split("</details>", 1)[0]
+
+
+def test_repeated_lines_per_source(site: Path, inputs: ReportInputs) -> None:
+    """line_boilerplate's report in stats.json: per source what it removed, most characters first, and
+    its most repeated lines with their documents (and share of the counted ones), as text."""
+    stage = _stats(inputs).stages["line_boilerplate"]
+    html = (site / "index.html").read_text()
+    rows = table_rows(html, "boilerplate")
+    ranked = sorted(stage["sources"].items(), key=lambda item: -item[1]["characters_removed"])
+    assert [row[0] for row in rows] == [name for name, _ in ranked]
+    for position, (row, (_, entry)) in enumerate(zip(rows, ranked, strict=True)):
+        assert row[1:8] == [f"{entry[key]:,}" for key in ("documents", "characters_removed")] + [
+            f"{100 * entry['characters_removed'] / entry['characters']:.1f}%"
+        ] + [
+            f"{entry[key]:,}"
+            for key in ("lines_removed", "documents_edited", "documents_removed", "frequent_lines")
+        ]
+        assert row[8] == str(len(entry["top_lines"]))
+        folded = _folded(html, f"boilerplate-{position}")
+        lines = [cells for cells in (
+            [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", r, re.S)]
+            for r in re.findall(r"<tr>(.*?)</tr>", folded.split("<tbody>", 1)[1], re.S)
+        )]  # fmt: skip
+        assert [int(cells[0].replace(",", "")) for cells in lines] == [
+            line["documents"] for line in entry["top_lines"]
+        ]
+        for cells, line in zip(lines, entry["top_lines"], strict=True):
+            assert cells[1] == f"{100 * line['documents'] / entry['documents_counted']:.1f}%"
+            if line["text"] is None:
+                assert "text not kept" in cells[2]
+            else:
+                assert cells[2] == line["text"].replace("&", "&amp;").replace("<", "&lt;").replace(
+                    ">", "&gt;"
+                )
+    summary = html.split('<h3 id="boilerplate">', 1)[1].split("</p>", 1)[0]
+    assert f"{stage['lines_removed']:,} lines and {stage['characters_removed']:,} characters" in summary
+
+
+def test_duplicate_clusters_over_cells_and_per_source(site: Path, inputs: ReportInputs) -> None:
+    """The distribution of dup_cluster_size over every curated file, per source, and the dedupe_clusters
+    stage's numbers; counted here straight from the Parquet files."""
+    import pyarrow.parquet as pq
+
+    from tokenmill.formats.documents import cluster_size_bin
+
+    by_source: dict[str, Counter] = {}
+    for path in sorted((inputs.curate / "curated").rglob("*.parquet")):
+        for row in pq.read_table(path, columns=["source", "dup_cluster_size"]).to_pylist():
+            by_source.setdefault(row["source"], Counter())[row["dup_cluster_size"]] += 1
+    overall = Counter()
+    for sizes in by_source.values():
+        overall.update(sizes)
+    html = (site / "index.html").read_text()
+    section = html.split('<h3 id="duplicates">', 1)[1].split("<h3", 1)[0]
+    bins = Counter()
+    for size, count in overall.items():
+        bins[cluster_size_bin(size)] += count
+    chart = section.split('<div class="chart-box">', 1)[1].split("</svg>", 1)[0]
+    drawn = dict(re.findall(r"<title>size ([\d-]+): ([\d,]+) docs</title>", chart))
+    assert {b: int(n.replace(",", "")) for b, n in drawn.items()} == dict(bins)
+    kept, represented = sum(overall.values()), sum(size * n for size, n in overall.items())
+    assert f"{kept:,} kept documents stand for {represented:,}" in section
+    rows = {row[0]: row[1:] for row in table_rows(html, "duplicates")}
+    assert set(rows) == {name.replace("<", "&lt;").replace(">", "&gt;") for name in by_source}
+    for name, sizes in by_source.items():
+        row = rows[name.replace("<", "&lt;").replace(">", "&gt;")]
+        stood = sum(size * n for size, n in sizes.items())
+        assert row[:3] == [f"{sum(sizes.values()):,}", f"{stood:,}", f"{stood - sum(sizes.values()):,}"]
+        assert row[4] == f"{sum(n for size, n in sizes.items() if size > 1):,}"
+    stage = _stats(inputs).stages["dedupe_clusters"]
+    facts = dict(re.findall(r"<dt>([^<]+)</dt><dd[^>]*>([^<]+)</dd>", section))
+    assert facts["largest cluster"] == f"{stage['largest_cluster']:,}"
+    assert facts["kept documents with duplicates (clusters of 2 or more)"] == f"{stage['clusters']:,}"
+
+
+def test_personal_data_per_kind_cell_and_source(site: Path, inputs: ReportInputs) -> None:
+    """stages.pii per kind; per cell and per source the kept documents' `pii` column summed, and per
+    source the documents removed as pii_density; counted here straight from the Parquet files."""
+    import pyarrow.parquet as pq
+
+    from tokenmill.formats.documents import PII_KINDS
+
+    stage = _stats(inputs).stages["pii"]
+    html = (site / "index.html").read_text()
+    kinds = {row[0]: row[1:] for row in table_rows(html, "pii-kinds")}
+    assert list(kinds) == list(PII_KINDS)
+    for kind, cells in kinds.items():
+        assert cells == [
+            f"{stage.get(kind, {}).get(o, 0):,}" for o in ("masked", "flagged", "removed", "reserved")
+        ]
+    cells: dict[str, list[int]] = {}
+    sources: dict[str, list[int]] = {}
+    for cell in inputs.cells:
+        for path in sorted((inputs.curate / "curated" / cell).glob("*.parquet")):
+            for row in pq.read_table(path, columns=["source", "pii"]).to_pylist():
+                finds = [row["pii"][kind] for kind in PII_KINDS]
+                for key, table in ((cell, cells), (row["source"], sources)):
+                    total = table.setdefault(key, [0] * (len(PII_KINDS) + 2))
+                    total[0] += 1
+                    total[1] += any(finds)
+                    total[2:] = [a + b for a, b in zip(total[2:], finds, strict=True)]
+    shown = {row[0]: row[1:] for row in table_rows(html, "pii-cells")}
+    assert shown == {
+        cell: [str(t[0]), str(t[1]), f"{100 * t[1] / t[0]:.1f}%", *map(str, t[2:])]
+        for cell, t in cells.items()
+        if t[1]
+    }
+    removed = Counter()
+    for row in pq.read_table(inputs.curate / "removed" / "stage=pii").to_pylist():
+        removed[row["source"]] += 1
+    shown = {row[0]: row[1:] for row in table_rows(html, "pii-sources")}
+    for source, t in sources.items():
+        assert shown[source.replace("<", "&lt;").replace(">", "&gt;")][:6] == [str(t[1]), *map(str, t[2:])]
+    for source, count in removed.items():
+        assert shown[source][6] == str(count)
+    overview = json.loads((site / "data" / "overview.json").read_text())
+    for cell, t in cells.items():
+        assert overview["cells"][cell]["pii"] == {
+            **dict(zip(PII_KINDS, t[2:], strict=True)),
+            "documents_checked": t[0],
+            "documents_with_pii": t[1],
+        }
+    assert overview["sources"]["papers.jsonl"]["pii"]["documents_with_pii"] == sources["papers.jsonl"][1]
+
+
+def test_sources_license_and_provenance(site: Path, inputs: ReportInputs) -> None:
+    stats = _stats(inputs)
+    html = (site / "index.html").read_text()
+    rows = {row[0]: row[1:] for row in table_rows(html, "input-sources")}
+    assert len(rows) == len(stats.sources)
+    papers = rows["papers.jsonl"]
+    assert papers[0] == stats.sources["papers.jsonl"].license and papers[2:6] == [
+        str(getattr(stats.sources["papers.jsonl"], key)) for key in ("read", "kept", "removed", "rejected")
+    ]
+    assert papers[6] == "CC-BY-4.0 ×3 · MIT ×2 · (other) ×1"  # most documents first
+    # An https provenance is a link; a javascript: one stays text; a license is text, whatever it holds.
+    table = html.split('<table class="input-sources">', 1)[1].split("</table>", 1)[0]
+    assert '<a href="https://crawl.example.org/2024" rel="nofollow noopener noreferrer">' in table
+    assert "javascript:window.__pwned=1</td>" in table and 'href="javascript' not in table
+    assert f"{HOSTILE_MARKUP}HOSTILE-LICENSE".replace("<", "&lt;").replace(">", "&gt;") in table
 
 
 def test_same_inputs_give_identical_bytes(inputs: ReportInputs, site: Path, tmp_path: Path) -> None:

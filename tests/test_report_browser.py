@@ -149,6 +149,63 @@ def test_hostile_samples_run_nothing_and_break_no_layout(browser, site: Path, in
     assert console_errors(browser) == []
 
 
+def test_curation_sections_show_their_records_as_text(browser, site: Path, inputs: ReportInputs) -> None:
+    """Repeated lines, duplicate clusters, contamination examples, personal data and the sources' licenses:
+    laid out, their hostile strings shown as text (nothing ran), and nothing wider than the window."""
+    from tokenmill.samples.report_inputs import HOSTILE_MARKUP
+
+    open_page(browser, site / "index.html")
+    browser.execute_script("document.querySelectorAll('details').forEach(d => d.open = true)")
+    browser.execute_script("document.getElementById('curation').scrollIntoView()")
+    assert browser.execute_script("return typeof window.__pwned") == "undefined"
+
+    def texts(selector: str) -> list[str]:
+        return browser.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.textContent)", selector
+        )
+
+    assert f"{HOSTILE_MARKUP} Accept cookies HOSTILE-LINE" in texts("details.repeated-lines td.line-text")
+    assert f"{HOSTILE_MARKUP}HOSTILE-LICENSE" in texts("table.input-sources td.license")
+    examples = texts("details.contaminated .sample-text")
+    assert any(text.startswith(f"{HOSTILE_MARKUP} HOSTILE-DECONTAM") for text in examples)
+    # A javascript: provenance is text, an https one a link.
+    assert "javascript:window.__pwned=1" in texts("table.input-sources td.provenance")
+    assert browser.execute_script(
+        "return Array.from(document.querySelectorAll('table.input-sources a')).map(a => a.protocol)"
+    ) == ["https:"]
+    # Every new part is laid out: the cluster-size chart has a size, the tables have visible rows.
+    box = browser.execute_script(
+        "const r = document.querySelector('#duplicates ~ .chart-box svg').getBoundingClientRect();"
+        "return [r.width, r.height]"
+    )
+    assert box[0] > 300 and box[1] > 40
+    for table in (
+        "boilerplate",
+        "duplicates",
+        "contamination",
+        "pii-kinds",
+        "pii-cells",
+        "pii-sources",
+        "input-sources",
+    ):
+        rows = browser.execute_script(
+            "return Array.from(document.querySelectorAll(`table.${arguments[0]} tbody tr`))"
+            ".filter(r => r.getBoundingClientRect().height > 0).length",
+            table,
+        )
+        assert rows > 0, table
+    # Its links land on the parts.
+    for anchor in browser.execute_script(
+        "return Array.from(document.querySelectorAll('#curation-parts a')).map(a => a.hash.slice(1))"
+    ):
+        assert browser.execute_script("return document.getElementById(arguments[0]) !== null", anchor), anchor
+    assert browser.execute_script("return document.documentElement.scrollWidth") <= 1280
+    element = browser.find_element("id", "curation")
+    ARTIFACTS.mkdir(exist_ok=True)
+    element.screenshot(str(ARTIFACTS / "report-index-curation.png"))
+    assert console_errors(browser) == []
+
+
 def test_search_filters_domains_and_samples(browser, site: Path, inputs: ReportInputs) -> None:
     open_page(browser, site / "index.html")
     everything = len(visible(browser, ".domain-card"))

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from test_trainer import config, source, tiny
 
 from tokenmill.formats.events import read_events

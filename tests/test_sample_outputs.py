@@ -9,6 +9,10 @@ real text only (duplicates removed before the held-out split), mixed.yaml remove
 first, and the cells are topic domains (cNN) x quality. Issue 30 wrote it again when the classifier
 data's legal text came to be read from the core dependencies' license files only: it had read every
 installed distribution's, so installing a test tool (pytest-xdist) changed the classifiers and every cell.
+Issue 34 wrote it again: the recipes mask and remove personal data (the `pii` column, the stage in the
+funnel) and name each source's license, and the stats gain the boilerplate stage's repeated lines. The
+same regeneration took the classifiers of a fresh install: the legal pool is read from the core
+dependencies' license files, so a release that adds a dependency or edits a license file moves them.
 
 Checksums are of content, not bytes, where the bytes depend on a library's version rather than on what
 tokenmill wrote: a Parquet file by its schema (names and types) and rows, a .zst file by what it

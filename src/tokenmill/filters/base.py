@@ -100,12 +100,19 @@ class DomainChains(DocumentStep):
 
 
 def sum_numbers(parts: list[dict]) -> dict:
+    """Stage statistics of several workers as one: numbers summed key by key, nested dicts alike. A value
+    that only one part has is taken as it is, which is how a table a stage reports once (line_boilerplate's
+    most repeated lines per source, with their text) passes through; such a value in two parts is an
+    error, never a silent concatenation."""
     total: dict = {}
     for part in parts:
         for key, value in part.items():
-            total[key] = (
-                sum_numbers([total.get(key, {}), value])
-                if isinstance(value, dict)
-                else (total.get(key, 0) + value)
-            )
+            if isinstance(value, dict):
+                total[key] = sum_numbers([total.get(key, {}), value])
+            elif key not in total:
+                total[key] = value
+            elif isinstance(value, int | float) and isinstance(total[key], int | float):
+                total[key] = total[key] + value
+            else:
+                raise ValueError(f"stage statistics: {key!r} is reported twice and is not a number")
     return total

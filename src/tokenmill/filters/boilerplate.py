@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import unicodedata
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from datatrove.data import Document
@@ -72,27 +72,32 @@ def source_key(document: Mapping, by: str = BY_SOURCE) -> str:
 
 @dataclass
 class Stripped:
-    """One document's edit: its new text and what went."""
+    """One document's edit: its new text and what went; `examples` holds, for the removed lines whose key
+    the caller asked for, the line as this document writes it (surrounding whitespace stripped)."""
 
     text: str
     lines_removed: int
     characters_removed: int
+    examples: dict[int, str] = field(default_factory=dict)
 
 
-def strip_lines(text: str, frequent: Collection[int]) -> Stripped:
-    """`text` without its lines whose key is in `frequent` (blank lines stay, so paragraphs stay apart)."""
+def strip_lines(text: str, frequent: Collection[int], examples: Collection[int] = ()) -> Stripped:
+    """`text` without its lines whose key is in `frequent` (blank lines stay, so paragraphs stay apart);
+    the removed lines whose key is in `examples` are kept, as written, in the result's `examples`."""
     if not frequent:
         return Stripped(text, 0, 0)
-    kept, removed = [], 0
+    kept, removed, found = [], 0, {}
     for line in text.split("\n"):
-        if line.strip() and line_hash(line) in frequent:
+        if line.strip() and (key := line_hash(line)) in frequent:
             removed += 1
+            if key in examples and key not in found:
+                found[key] = line.strip()
         else:
             kept.append(line)
     if not removed:
         return Stripped(text, 0, 0)
     new_text = "\n".join(kept).strip("\n")
-    return Stripped(new_text, removed, len(text) - len(new_text))
+    return Stripped(new_text, removed, len(text) - len(new_text), found)
 
 
 class BoilerplateLines:
@@ -114,13 +119,15 @@ class BoilerplateLines:
     def key(self, document: Mapping) -> str:
         return source_key(document, self.by)
 
-    def edit(self, document: dict, lines: Collection[int] | None) -> Stripped | None:
+    def edit(
+        self, document: dict, lines: Collection[int] | None, examples: Collection[int] = ()
+    ) -> Stripped | None:
         """Edit `document` in place (text, n_chars) with its source's frequent `lines`; the edit, or None
-        when nothing was removed. A document left empty keeps its text: the caller removes it whole as
-        `boilerplate_only`."""
+        when nothing was removed (`examples`: as in `strip_lines`). A document left empty keeps its text:
+        the caller removes it whole as `boilerplate_only`."""
         if not lines or not self.counted(document):
             return None
-        stripped = strip_lines(document["text"], lines)
+        stripped = strip_lines(document["text"], lines, examples)
         if not stripped.lines_removed:
             return None
         if stripped.text.strip():

@@ -7,6 +7,8 @@ curated output without importing Beam. Columns and types are those of docs/forma
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
 import pyarrow.dataset as ds
 
@@ -51,6 +53,16 @@ def cluster_size_bin(size: int) -> str:
         return str(size)
     upper = 1 << (size - 1).bit_length()
     return f"{upper // 2 + 1}-{upper}"
+
+
+#: What separates a document's paragraphs: a blank line (one holding only spaces or tabs counts).
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n\s*")
+
+
+def split_paragraphs(text: str) -> list[str]:
+    """A text's paragraphs, separated by blank lines: how the decontam stage counts a match's
+    `paragraph` (in removed/ `detail` and kept `metadata`), and how the overview page finds it again."""
+    return _PARAGRAPH_BREAK.split(text)
 
 
 #: removed/ rows: the document columns plus `detail`, JSON saying why in numbers.

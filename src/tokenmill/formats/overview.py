@@ -1,5 +1,6 @@
 """The data-overview page's numbers, `site/data/overview.json` (docs/reports.md, "What the site holds"):
-tokens, documents and sample ids per cell, sources per domain, as `tokenmill report` publishes them.
+tokens, documents and sample ids per cell, sources per domain, duplicate clusters and personal data per
+cell and per source, as `tokenmill report` publishes them.
 
 Written through `OverviewData` (reports/site.py), so that a key added to the page's data without a field
 here is an error naming it, not a file that drifts from its readers.
@@ -43,6 +44,8 @@ class OverviewCell(_Written):
     samples: list[str]  # the ids of the sample documents shown
     cluster_sizes: dict[str, Count] | None = None  # curated documents per dedupe-cluster-size bin
     represented_documents: Count | None = None  # documents the curated ones stand for, duplicates included
+    #: The `pii` column summed: finds per kind, documents_checked and documents_with_pii; None without it.
+    pii: dict[str, Count] | None = None
 
 
 class OverviewSource(_Written):
@@ -50,6 +53,16 @@ class OverviewSource(_Written):
     characters: Count
     tokens_estimated: Count  # the cell's tokens shared out by characters
     enrichment: float | None  # share in the domain / share overall; None without tokens
+
+
+class OverviewSourceTotals(_Written):
+    """One input source over every curated cell (the overview's per-source sections)."""
+
+    documents: Count
+    characters: Count
+    cluster_sizes: dict[str, Count] | None = None  # as OverviewCell's, None without dup_cluster_size
+    represented_documents: Count | None = None
+    pii: dict[str, Count] | None = None  # as OverviewCell's
 
 
 class OverviewDomain(_Written):
@@ -85,6 +98,8 @@ class OverviewData(_Written):
     headline: OverviewHeadline
     cells: dict[str, OverviewCell]
     domains: dict[str, OverviewDomain]
+    #: Per input source, over all cells; absent in pages written before issue 34.
+    sources: dict[str, OverviewSourceTotals] | None = None
     topic_model: OverviewTopicModel | None = None
     quality_cuts: dict[str, list[float]] | None = None  # per content type, the quality-bucket cuts
     options: OverviewOptions

@@ -42,12 +42,17 @@ class RemovedReason(FormatModel):
 
 
 class SourceOutcomes(FormatModel):
-    """Documents of one input file by where they went."""
+    """Documents of one input file by where they went, and what is known of its origin: the license and
+    provenance the recipe's `sources:` table gives it, and the documents read per license that its
+    records name (the recipe's `fields.license`). The last three are absent where nothing says."""
 
     read: Count
     kept: Count
     removed: Count
     rejected: Count
+    license: str | None = None
+    provenance: str | None = None
+    licenses: dict[str, Count] = {}
 
 
 class CurateStats(FormatModel):

@@ -49,12 +49,16 @@ from tokenmill.pipelines.dedupe_index import (
     index_params,
     load_indexes,
 )
-from tokenmill.pipelines.recipe import GroupingStep, Recipe, build_steps
+from tokenmill.pipelines.recipe import MAX_SOURCE_TEXT, GroupingStep, Recipe, build_steps
 from tokenmill.pipelines.sinks import WritePartitioned, write_parquet
 
 log = logging.getLogger(__name__)
 
 OUTPUT_PARTS = ("curated", "removed", "rejected", "dedupe-index", STATS)
+#: Distinct record licenses kept per source in stats.json; the rest are counted together under
+#: OTHER_LICENSES (a license field that holds something else, such as an id, stays small).
+MAX_LICENSES = 20
+OTHER_LICENSES = "(other)"
 _PATH_UNSAFE = str.maketrans({c: "_" for c in '/\\=:*?"<>| '})
 
 
@@ -197,9 +201,28 @@ def _stat_entries(record: dict, outcome: str, chars_per_token: float):
         yield ("removed", f"{record['stage']}/{record['reason']}", record["source"]), counts
 
 
-def _read_entries(document: dict, chars_per_token: float):
+def record_license(metadata: str | None, path: str) -> str | None:
+    """The license a record names at the dotted `path` of its metadata (the recipe's `fields.license`):
+    text as it is, another value as compact JSON, cut to MAX_SOURCE_TEXT characters; None without one."""
+    try:
+        value = json.loads(metadata) if metadata else None
+    except (TypeError, ValueError):
+        return None
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if value is None or value == "":
+        return None
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return text[:MAX_SOURCE_TEXT]
+
+
+def _read_entries(document: dict, chars_per_token: float, license_field: str | None = None):
     n_chars = len(document["text"])
     yield ("read", "", document["source"]), (1, n_chars, estimated_tokens(n_chars, chars_per_token))
+    if license_field:
+        license_name = record_license(document.get("metadata"), license_field)
+        if license_name is not None:
+            yield ("license", license_name, document["source"]), (1, 0, 0)
 
 
 def _sum_triples(values: Iterable[tuple[int, int, int]]) -> tuple[int, int, int]:
@@ -247,6 +270,7 @@ def build_stats(
     sources: dict[str, dict[str, int]] = defaultdict(
         lambda: {"read": 0, "kept": 0, "removed": 0, "rejected": 0}
     )
+    licenses: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for (outcome, detail, source), counts in entries:
         if outcome == "read":
             _add(read, counts)
@@ -259,11 +283,17 @@ def build_stats(
             _add(removed, counts)
             _add(removed_by_reason[detail], counts)
             sources[source]["removed"] += counts[0]
+        elif outcome == "license":
+            licenses[source][detail] += counts[0]
         else:
             rejected_by_error[detail] += counts[0]
             sources[source]["rejected"] += counts[0]
             sources[source]["read"] += counts[0]  # read, then found not to be a document
     rejected_total = sum(rejected_by_error.values())
+    matched = {run.recipe.source_pattern(source) for source in sources}
+    for pattern in run.recipe.sources:
+        if pattern not in matched:
+            log.warning("%s: sources pattern %r names no input file read", run.recipe_path, pattern)
     # Documents are counted as the reader emits them, apart from where they end up; a rejected record
     # never becomes a document, so it counts once, as read and as rejected.
     read_documents = read[0] + rejected_total
@@ -301,11 +331,29 @@ def build_stats(
             kind: {"documents": count} for kind, count in sorted(rejected_by_error.items())
         },
         "cells": {cell: triple(*counts) for cell, counts in sorted(cells.items())},
-        "sources": dict(sorted(sources.items())),
+        "sources": {
+            source: {**outcomes, **_provenance(run.recipe, source, licenses.get(source, {}))}
+            for source, outcomes in sorted(sources.items())
+        },
         "stages": dict(sorted(stage_stats)),
         "files": dict(sorted(files)),
     }
     return parse(CurateStats, stats, storage.join(run.output, STATS))
+
+
+def _provenance(recipe: Recipe, source: str, licenses: dict[str, int]) -> dict:
+    """A source's license and provenance from the recipe's `sources:` table, and the documents read per
+    license its records name (the MAX_LICENSES most common, the rest together as OTHER_LICENSES)."""
+    info = recipe.source_info(source)
+    found = {} if info is None else info.model_dump(exclude_none=True)
+    if licenses:
+        ranked = sorted(licenses.items(), key=lambda item: (-item[1], item[0]))
+        kept = dict(ranked[:MAX_LICENSES])
+        rest = sum(count for _, count in ranked[MAX_LICENSES:])
+        if rest:
+            kept[OTHER_LICENSES] = kept.get(OTHER_LICENSES, 0) + rest
+        found["licenses"] = dict(sorted(kept.items()))
+    return found
 
 
 def merge_numbers(values: Iterable[dict]) -> dict:
@@ -345,7 +393,9 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         )
     )
     documents = read.documents | "SpreadDocuments" >> beam.Reshuffle()
-    read_stats = documents | "CountRead" >> beam.FlatMap(_read_entries, chars_per_token)
+    read_stats = documents | "CountRead" >> beam.FlatMap(
+        _read_entries, chars_per_token, recipe.fields.license
+    )
 
     removed_parts = []
     removed_stages = []  # the stage of each of removed_parts, for DedupeClusters

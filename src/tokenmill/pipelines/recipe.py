@@ -10,12 +10,20 @@ removed_text: true        # false: removed/ keeps id, source, reason, detail and
 dedupe_index: true        # with a dedupe stage: OUTPUT/dedupe-index/, for later runs' --dedupe-against
 default_cell: {domain: web, quality: 0}
 normalize: {max_chars: 1_000_000}
+sources:                  # license and provenance per input file: the first pattern that matches
+  "crawl-2024/*": {license: CC-BY-4.0, provenance: "https://example.org/crawl-2024"}
 stages:
   - language: {languages: [en], min_score: 0.5}
   - exact_dedupe: {}
   - gopher_repetition: {}
   - gopher_quality: {min_doc_words: 50}
 ```
+
+`sources` maps shell-style patterns over each input file's source (its path below the input root; `*`
+matches across folders) to the files' `license` and `provenance`, which stats.json and the overview page
+show per source. `fields.license` names the input field (a dotted path into nested objects, such as
+Dolma's `metadata.license`) that holds each record's own license: stats.json counts documents read per
+value and source.
 
 `stages` run in the order written, after normalization; each entry names one stage kind and its
 parameters. Heuristic filters take datatrove's own parameter names. An unknown stage or parameter is
@@ -25,11 +33,14 @@ A new stage is one entry in a registry below: a per-document stage is a `Documen
 tokenmill.filters.base); a stage that compares documents with each other (dedupe) is a Beam PTransform
 named by import path, whose `expand(documents)` returns a dict with the PCollections `kept` and
 `removed` (removed documents carry `stage`, `reason`, `detail`), and optionally `stats`: (stage,
-{name: number or nested dict of numbers}) pairs, summed into stats.json under `stages.<stage>`.
+{name: number or nested dict of numbers}) pairs, summed into stats.json under `stages.<stage>`; a value
+that is not a number (line_boilerplate's table of repeated lines) must come in one pair only, and is
+taken as it is (tokenmill.filters.base.sum_numbers).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenmill.corpora.records import DEFAULT_MAX_RECORD_BYTES, InputFields
 from tokenmill.domains.model import DomainsError
@@ -109,6 +120,27 @@ class Fields(BaseModel):
     text: str = "text"
     id: str | None = "id"
     url: str | None = "url"
+    #: The input field (dotted path) that holds a record's license; it stays in `metadata` as well.
+    license: str | None = Field(None, min_length=1)
+
+
+#: The longest license or provenance a recipe or a record may give (the page shows it whole).
+MAX_SOURCE_TEXT = 500
+
+
+class SourceInfo(BaseModel):
+    """What a recipe's `sources:` entry says about the input files its pattern matches: their license
+    (an SPDX expression where there is one) and where they come from (a URL or a sentence)."""
+
+    model_config = ConfigDict(extra="forbid")
+    license: str | None = Field(None, min_length=1, max_length=MAX_SOURCE_TEXT)
+    provenance: str | None = Field(None, min_length=1, max_length=MAX_SOURCE_TEXT)
+
+    @model_validator(mode="after")
+    def _says_something(self) -> SourceInfo:
+        if self.license is None and self.provenance is None:
+            raise ValueError("give a license, a provenance or both")
+        return self
 
 
 class DefaultCell(BaseModel):
@@ -141,6 +173,8 @@ class Recipe(BaseModel):
     batch_size: int = Field(256, gt=0)
     default_cell: DefaultCell = DefaultCell()
     normalize: NormalizeParams = NormalizeParams()
+    #: Input files' license and provenance by pattern over their source (the first that matches).
+    sources: dict[str, SourceInfo] = {}
     stages: list[dict[str, dict[str, Any] | None]] = []
 
     @field_validator("target_file_bytes", "max_record_bytes", mode="before")
@@ -176,6 +210,23 @@ class Recipe(BaseModel):
                     f"{', '.join(late)} must come before it"
                 )
         return stages
+
+    @field_validator("sources")
+    @classmethod
+    def _check_sources(cls, sources: dict[str, SourceInfo]) -> dict[str, SourceInfo]:
+        for pattern in sources:
+            if not pattern.strip():
+                raise ValueError("a source pattern is empty")
+        return sources
+
+    def source_pattern(self, source: str) -> str | None:
+        """The first `sources:` pattern that matches `source` (an input file's source), or None."""
+        return next((pattern for pattern in self.sources if fnmatch.fnmatchcase(source, pattern)), None)
+
+    def source_info(self, source: str) -> SourceInfo | None:
+        """What the `sources:` table says of the input file `source`, or None."""
+        pattern = self.source_pattern(source)
+        return None if pattern is None else self.sources[pattern]
 
     @property
     def input_fields(self) -> InputFields:

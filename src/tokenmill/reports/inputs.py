@@ -1,10 +1,13 @@
 """Reading what curate wrote, for the report pages: only what the page needs.
 
-Per-cell document and character counts by source (two Parquet columns), a seeded uniform sample of rows
+Per-cell document and character counts by source (two Parquet columns), with each source's duplicate-
+cluster sizes and personal-data finds where the files have those columns, a seeded uniform sample of rows
 per cell, examples of removed documents per reason and of rejected input per error kind (the records
-through tokenmill.formats.rejected). The JSON files (stats.json, counts.json, manifests, the plan, a run's
-metrics and config) are read through tokenmill.formats. Sampling is a pure function of (seed, cell or
-reason, row count), so the same inputs give the same page.
+through tokenmill.formats.rejected), and per evaluation set the documents the decontam stage matched, with
+examples (removed/ rows by their `detail`; kept, flagged ones by their `metadata`, read only when the
+stage flagged some). The JSON files (stats.json, counts.json, manifests, the plan, a run's metrics and
+config) are read through tokenmill.formats. Sampling is a pure function of (seed, cell or reason, row
+count), so the same inputs give the same page.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import pyarrow.parquet as pq
 from tokenmill import storage
 from tokenmill.cells import parse_cell
 from tokenmill.errors import FormatError
-from tokenmill.formats.documents import CLUSTER_SIZE, cluster_size_bin
+from tokenmill.formats.documents import CLUSTER_SIZE, PII, PII_KINDS, cluster_size_bin
 from tokenmill.formats.rejected import RejectedRecord, read_rejected
 
 _PARTITION = re.compile(r"(?:^|/)(domain=[^/]+/quality=[^/]+)/[^/]+\.parquet$")
@@ -106,10 +109,21 @@ def _parquet(path: str) -> pq.ParquetFile:
         raise InputError(f"{path}: not a readable Parquet file ({error})") from error
 
 
+#: A source's or a cell's personal-data numbers: finds per kind (PII_KINDS), and these two counts.
+PII_DOCUMENTS = ("documents_checked", "documents_with_pii")
+
+
 @dataclass
 class SourceCount:
+    """One source's documents in a cell (or, summed, in several), as the page counts them."""
+
     documents: int = 0
     characters: int = 0
+    #: Kept documents per duplicate-cluster size bin, and the documents they stand for (see CellScan).
+    cluster_sizes: dict[str, int] = field(default_factory=dict)
+    represented: int = 0
+    #: Finds per kind of the `pii` column and PII_DOCUMENTS; empty where no pii stage ran.
+    pii: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,6 +140,11 @@ class CellScan:
     cluster_sizes: dict[str, int] = field(default_factory=dict)
     #: The documents those clusters stand for: the sum of `dup_cluster_size` (0 without the column).
     represented: int = 0
+    #: Personal data in the cell's documents (the `pii` column), as SourceCount.pii: empty without it.
+    pii: dict[str, int] = field(default_factory=dict)
+    #: With scan_cell(contamination=True): (row position in the cell, decontam annotation) of each row
+    #: whose metadata holds one, i.e. the documents the decontam stage flagged and kept.
+    contaminated: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
 
 def seeded_rng(seed: int, key: str) -> random.Random:
@@ -172,48 +191,120 @@ def _row_count(files: Sequence[str]) -> int:
     return sum(_parquet(path).metadata.num_rows for path in files)
 
 
-def scan_cell(cell: str, files: Sequence[str], *, samples: int, seed: int) -> CellScan:
-    """Counts by source (from the `source` and `n_chars` columns) and a seeded uniform sample of rows."""
+def scan_cell(
+    cell: str, files: Sequence[str], *, samples: int, seed: int, contamination: bool = False
+) -> CellScan:
+    """Counts by source (from the `source` and `n_chars` columns, and `dup_cluster_size` and `pii` where
+    the files have them) and a seeded uniform sample of rows; with `contamination`, also the rows whose
+    `metadata` holds the decontam stage's annotation (flagged documents), read in the same pass."""
     scan = CellScan(cell=cell)
+    tables: dict[str, list[pa.Table]] = {}  # by schema: the files of a cell are counted together
     for path in files:
         parquet = _parquet(path)
-        missing = {"source", "n_chars"} - set(parquet.schema_arrow.names)
+        names = parquet.schema_arrow.names
+        missing = {"source", "n_chars"} - set(names)
         if missing:
             raise InputError(f"{path}: missing column(s) {', '.join(sorted(missing))} (see docs/formats.md)")
-        table = parquet.read(columns=["source", "n_chars"])
-        if CLUSTER_SIZE in parquet.schema_arrow.names:
-            _count_cluster_sizes(scan, parquet.read(columns=[CLUSTER_SIZE]).column(CLUSTER_SIZE))
-        grouped = table.group_by("source").aggregate(
-            [("n_chars", "sum"), ("n_chars", "count", pc.CountOptions(mode="all"))]
+        columns = ["source", "n_chars", *(c for c in (CLUSTER_SIZE, PII) if c in names)]
+        table = parquet.read(
+            columns=columns + (["metadata"] if contamination and "metadata" in names else [])
         )
-        for row in grouped.to_pylist():
-            source = row["source"] if row["source"] is not None else "(none)"
-            count = scan.sources.setdefault(source, SourceCount())
-            count.documents += int(row["n_chars_count"])
-            count.characters += int(row["n_chars_sum"] or 0)
+        if "metadata" in table.column_names:
+            scan.contaminated.extend(
+                (scan.documents + row, annotation)
+                for row, annotation in contamination_annotations(table["metadata"])
+            )
+            table = table.select(columns)
+        tables.setdefault(table.schema.to_string(), []).append(table)
         scan.documents += table.num_rows
-        scan.characters += int(pc.sum(table["n_chars"]).as_py() or 0)
+    for group in tables.values():
+        _count_table(scan, pa.concat_tables(group))
     indices = sample_indices(scan.documents, samples, seed, cell)
     scan.samples = read_rows(
         files, indices, ["id", "text", "source", "url", "n_chars", "quality_score", "language"]
     )
     scan.sources = dict(sorted(scan.sources.items()))
-    scan.cluster_sizes = dict(sorted(scan.cluster_sizes.items(), key=lambda item: _bin_start(item[0])))
+    scan.cluster_sizes = sorted_bins(scan.cluster_sizes)
+    for count in scan.sources.values():
+        count.cluster_sizes = sorted_bins(count.cluster_sizes)
     return scan
 
 
-def _bin_start(size_bin: str) -> int:
-    return int(size_bin.split("-", 1)[0])
+def _count_table(scan: CellScan, table: pa.Table) -> None:
+    """Add a cell's rows (one or several files with the same columns) to its counts: documents,
+    characters and personal data per source in one grouping, the cluster sizes in another."""
+    table = table.set_column(0, "source", pc.fill_null(table["source"], "(none)"))
+    pii = pii_columns(table[PII]) if PII in table.column_names else {}
+    grouped = pa.table({"source": table["source"], "n_chars": table["n_chars"], **pii}).group_by("source")
+    aggregates = [("n_chars", "sum"), ("n_chars", "count", pc.CountOptions(mode="all"))]
+    for row in grouped.aggregate(aggregates + [(key, "sum") for key in pii]).to_pylist():
+        count = scan.sources.setdefault(row["source"], SourceCount())
+        count.documents += int(row["n_chars_count"])
+        count.characters += int(row["n_chars_sum"] or 0)
+        numbers = {key: int(row[f"{key}_sum"] or 0) for key in pii}
+        if numbers.get("documents_checked"):
+            add_numbers(count.pii, numbers)
+            add_numbers(scan.pii, numbers)
+    scan.characters += int(pc.sum(table["n_chars"]).as_py() or 0)
+    if CLUSTER_SIZE in table.column_names:
+        _count_cluster_sizes(scan, table)
 
 
-def _count_cluster_sizes(scan: CellScan, sizes: pa.ChunkedArray) -> None:
-    """Add one file's `dup_cluster_size` column to the cell's histogram (a null counts as 1)."""
-    counted = pc.value_counts(pc.fill_null(sizes, 1)).to_pylist()
-    for entry in counted:
-        size, count = int(entry["values"]), int(entry["counts"])
+def add_numbers(total: dict[str, int], numbers: dict[str, int]) -> None:
+    """`numbers` added into `total`, key by key (histograms, finds per kind)."""
+    for key, value in numbers.items():
+        total[key] = total.get(key, 0) + value
+
+
+def sorted_bins(histogram: dict[str, int]) -> dict[str, int]:
+    """A cluster-size histogram in the order of its bins ("1", "2", ..., "5-8", "9-16", ...)."""
+    return dict(sorted(histogram.items(), key=lambda item: int(item[0].split("-", 1)[0])))
+
+
+def _count_cluster_sizes(scan: CellScan, table: pa.Table) -> None:
+    """Add one file's `dup_cluster_size` column to the cell's histogram and its sources' (a null counts
+    as 1)."""
+    sizes = pa.table({"source": table["source"], "size": pc.fill_null(table[CLUSTER_SIZE], 1)})
+    for row in sizes.group_by(["source", "size"]).aggregate([("size", "count")]).to_pylist():
+        size, count = int(row["size"]), int(row["size_count"])
         size_bin = cluster_size_bin(size)
-        scan.cluster_sizes[size_bin] = scan.cluster_sizes.get(size_bin, 0) + count
+        source = scan.sources.setdefault(row["source"], SourceCount())
+        for histogram in (scan.cluster_sizes, source.cluster_sizes):
+            histogram[size_bin] = histogram.get(size_bin, 0) + count
         scan.represented += size * count
+        source.represented += size * count
+
+
+def pii_columns(column: pa.ChunkedArray) -> dict[str, pa.ChunkedArray]:
+    """A `pii` column as the numbers summed per source: the finds per kind (PII_KINDS), 1 per document
+    the stage checked (`pii` not null) and 1 per document with a find (PII_DOCUMENTS); {} when every
+    row's `pii` is null (no pii stage ran)."""
+    if column.null_count == len(column):
+        return {}
+    finds = {kind: pc.fill_null(pc.struct_field(column, kind), 0) for kind in PII_KINDS}
+    total = finds[PII_KINDS[0]]
+    for kind in PII_KINDS[1:]:
+        total = pc.add(total, finds[kind])
+    return {
+        **finds,
+        "documents_checked": pc.cast(pc.is_valid(column), pa.int64()),
+        "documents_with_pii": pc.cast(pc.greater(total, 0), pa.int64()),
+    }
+
+
+def pii_by_source(table: pa.Table) -> dict[str, dict[str, int]]:
+    """Per source of a table with `source` and `pii` columns, the numbers of `pii_columns` summed;
+    sources without a checked document are left out."""
+    pii = pii_columns(table[PII])
+    if not pii:
+        return {}
+    grouped = pa.table({"source": table["source"], **pii}).group_by("source")
+    result = {}
+    for row in grouped.aggregate([(key, "sum") for key in pii]).to_pylist():
+        numbers = {key: int(row[f"{key}_sum"] or 0) for key in pii}
+        if numbers["documents_checked"]:
+            result[row["source"]] = numbers
+    return result
 
 
 @dataclass
@@ -284,3 +375,119 @@ def _rejected_example(record: RejectedRecord) -> dict[str, Any]:
         "raw_truncated": record.raw_truncated
         or any(value is not None and len(value) > RAW_PREVIEW_BYTES for value in (raw, encoded)),
     }
+
+
+#: The removals of the decontam and pii stages, as `<stage>/<reason>` (removed/stage=.../reason=.../).
+DECONTAM_REMOVED = "decontam/contaminated"
+PII_REMOVED = "pii/pii_density"
+
+
+@dataclass
+class ContaminationScan:
+    """Documents the decontam stage matched, per evaluation set: `removed`, the removed/ rows whose detail
+    names the set; `flagged`, the curated documents whose metadata names it (looked for only when asked:
+    it reads every curated file's metadata column); `examples`, drawn uniformly at random (seeded) from
+    both, each row with its `action` (removed or flagged) and its `match` with the set."""
+
+    removed: dict[str, int] = field(default_factory=dict)
+    flagged: dict[str, int] = field(default_factory=dict)
+    flagged_scanned: bool = False
+    examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def _json_object(value: Any) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value) if value else {}
+    except (TypeError, ValueError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _set_matches(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The decontam annotation's best match per evaluation set ({} for a document it did not match)."""
+    matches = found.get("matches")
+    if not isinstance(matches, list):
+        return {}
+    return {str(m["eval_set"]): m for m in matches if isinstance(m, dict) and m.get("eval_set") is not None}
+
+
+def contamination_annotations(metadata: pa.ChunkedArray) -> list[tuple[int, dict[str, Any]]]:
+    """(row, annotation) of the rows of a `metadata` column that hold the decontam stage's
+    `contamination` key; the JSON is parsed only for those."""
+    marked = pc.match_substring(pc.fill_null(metadata, ""), '"contamination"')
+    found = []
+    for row in pc.indices_nonzero(marked).to_pylist():
+        annotation = _json_object(metadata[row].as_py()).get("contamination")
+        if isinstance(annotation, dict):
+            found.append((row, annotation))
+    return found
+
+
+def scan_contamination(
+    removed: dict[str, RemovedReason],
+    flagged: dict[str, CellScan] | None,
+    cell_files: dict[str, list[str]],
+    *,
+    examples: int,
+    seed: int,
+) -> ContaminationScan:
+    """Per evaluation set, the documents decontam removed (removed/stage=decontam, by `detail`) and, with
+    `flagged` (cell scans made with contamination=True), those it flagged and kept, with examples. A
+    removal that dedupe_clusters re-filed under decontam (a copy of a contaminated document,
+    `removed_with`) names no set and is not counted."""
+    scan = ContaminationScan(flagged_scanned=flagged is not None)
+    # set -> (where: "removed" or a cell, row position there, match); the files of each place in order.
+    found: dict[str, list[tuple[str, int, dict[str, Any]]]] = {}
+    places = {"removed": removed[DECONTAM_REMOVED].files if DECONTAM_REMOVED in removed else []}
+    offset = 0
+    for path in places["removed"]:
+        details = _parquet(path).read(columns=["detail"]).column("detail").to_pylist()
+        for row, detail in enumerate(details):
+            for name, match in _set_matches(_json_object(detail)).items():
+                found.setdefault(name, []).append(("removed", offset + row, match))
+                scan.removed[name] = scan.removed.get(name, 0) + 1
+        offset += len(details)
+    for cell, cell_scan in sorted((flagged or {}).items()):
+        places[cell] = cell_files[cell]
+        for position, annotation in cell_scan.contaminated:
+            for name, match in _set_matches(annotation).items():
+                found.setdefault(name, []).append((cell, position, match))
+                scan.flagged[name] = scan.flagged.get(name, 0) + 1
+    chosen = {
+        name: [entries[i] for i in sample_indices(len(entries), examples, seed, f"contamination:{name}")]
+        for name, entries in sorted(found.items())
+    }
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for place, files in places.items():
+        wanted = sorted({position for entries in chosen.values() for p, position, _ in entries if p == place})
+        if wanted:
+            read = read_rows(files, wanted, ["id", "text", "source", "url"])
+            rows.update({(place, position): row for position, row in zip(wanted, read, strict=True)})
+    scan.examples = {
+        name: [
+            {
+                **rows[(place, position)],
+                "action": "removed" if place == "removed" else "flagged",
+                "match": match,
+            }
+            for place, position, match in entries
+        ]
+        for name, entries in chosen.items()
+    }
+    scan.removed, scan.flagged = dict(sorted(scan.removed.items())), dict(sorted(scan.flagged.items()))
+    return scan
+
+
+def scan_removed_pii(removed: dict[str, RemovedReason]) -> dict[str, dict[str, int]]:
+    """Per source, the documents the pii stage removed (removed/stage=pii/reason=pii_density; counted as
+    `documents_checked`) and their finds per kind, from the `pii` column."""
+    totals: dict[str, dict[str, int]] = {}
+    for path in removed[PII_REMOVED].files if PII_REMOVED in removed else []:
+        parquet = _parquet(path)
+        if PII not in parquet.schema_arrow.names:
+            continue
+        table = parquet.read(columns=["source", PII])
+        table = table.set_column(0, "source", pc.fill_null(table["source"], "(none)"))
+        for source, numbers in pii_by_source(table).items():
+            add_numbers(totals.setdefault(source, {}), numbers)
+    return dict(sorted(totals.items()))

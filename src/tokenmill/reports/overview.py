@@ -1,4 +1,5 @@
-"""The data-overview page's content: headline, heatmap, domain cards, curation funnel and mixture.
+"""The data-overview page's content: headline, heatmap, domain cards, curation funnel and mixture (the
+curation sections beside the funnel are built in tokenmill.reports.curation).
 
 With a topic-domain model (`OverviewOptions.domains_model`, the folder `tokenmill domains train` wrote),
 each `cNN` domain card also shows the domain's distinctive terms, its share of the model's sample and the
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from tokenmill import storage
 from tokenmill.cells import QUALITY_BUCKETS, parse_cell
@@ -30,14 +30,28 @@ from tokenmill.formats.plan import MixturePlan
 from tokenmill.formats.stats import CurateStats, read_stats
 from tokenmill.formats.tokens import COUNTS, CellCount, TokenCounts, read_counts
 from tokenmill.reports import svg
+from tokenmill.reports.curation import (
+    DECONTAM,
+    boilerplate_section,
+    contamination_rows,
+    duplicates_section,
+    histogram_text,
+    personal_data_section,
+    source_rows,
+    totals_by_source,
+)
+from tokenmill.reports.display import percent, preview, sample_row
 from tokenmill.reports.inputs import (
     CellScan,
+    ContaminationScan,
     CurateLayout,
     InputError,
     cell_files,
     scan_cell,
+    scan_contamination,
     scan_rejected,
     scan_removed,
+    scan_removed_pii,
 )
 from tokenmill.reports.plans import cell_allocation, plan_changes
 from tokenmill.units import format_count
@@ -56,48 +70,6 @@ class OverviewOptions:
     domains_model: str | None = None
     #: A quality model folder, or its calibration.json: the quality cut points per content type.
     quality_model: str | None = None
-
-
-def safe_href(url: Any) -> str:
-    """The URL when it is plain http(s), else '' so that the page shows it as text, never as a link.
-
-    `javascript:`, `data:` and relative URLs from input data must not become clickable.
-    """
-    if not isinstance(url, str) or not url or any(c in url for c in "\x00\n\r\t\\"):
-        return ""
-    try:
-        parts = urlsplit(url.strip())
-    except ValueError:
-        return ""
-    return url.strip() if parts.scheme.lower() in ("http", "https") and parts.netloc else ""
-
-
-def preview(text: Any, limit: int) -> tuple[str, bool]:
-    """The first `limit` characters of a document and whether it was cut."""
-    text = "" if text is None else str(text)
-    return (text[:limit], True) if len(text) > limit else (text, False)
-
-
-def percent(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "–"
-
-
-def _sample(row: dict[str, Any], cell: str, limit: int) -> dict[str, Any]:
-    text, cut = preview(row.get("text"), limit)
-    url = row.get("url")
-    score = row.get("quality_score")
-    return {
-        "id": str(row.get("id")),
-        "cell": cell,
-        "source": "" if row.get("source") is None else str(row.get("source")),
-        "url": "" if url is None else str(url),
-        "href": safe_href(url),
-        "text": text,
-        "truncated": cut,
-        "n_chars": row.get("n_chars"),
-        "quality_score": None if score is None else round(float(score), 3),
-        "language": row.get("language"),
-    }
 
 
 def read_token_counts(tokens_dir: str) -> TokenCounts:
@@ -219,9 +191,7 @@ def _cluster_sizes(scan: CellScan) -> dict[str, Any]:
     return {
         "cluster_sizes": scan.cluster_sizes,
         "represented": scan.represented,
-        "cluster_sizes_text": " · ".join(
-            f"{size_bin}×{count:,}" for size_bin, count in scan.cluster_sizes.items()
-        ),
+        "cluster_sizes_text": histogram_text(scan.cluster_sizes),
     }
 
 
@@ -247,8 +217,13 @@ def build_overview(
 ) -> dict[str, Any]:
     """Everything the index page shows, as template context; `context["data"]` is published as JSON."""
     files = cell_files(layout.curated)
+    stats = read_curate_stats(layout.stats)
+    removed = scan_removed(layout.removed, examples=options.removed_examples, seed=options.seed)
+    flagged = flagged_contamination(stats, removed)
     scans: dict[str, CellScan] = {
-        cell: scan_cell(cell, paths, samples=options.samples_per_cell, seed=options.seed)
+        cell: scan_cell(
+            cell, paths, samples=options.samples_per_cell, seed=options.seed, contamination=flagged
+        )
         for cell, paths in files.items()
     }
     cell_tokens = {cell: entry.tokens for cell, entry in sorted(counts.cells.items())}
@@ -310,7 +285,7 @@ def build_overview(
                     "manifest": manifest,
                     "in_counts": count_entry is not None,
                     "in_curated": cell in scans,
-                    "samples": [_sample(row, cell, options.preview_chars) for row in scan.samples],
+                    "samples": [sample_row(row, cell, options.preview_chars) for row in scan.samples],
                     **_cluster_sizes(scan),
                     **_heldout(count_entry),
                 }
@@ -433,10 +408,22 @@ def build_overview(
         "tokenizer": counts.tokenizer.to_json() if counts.tokenizer else {},
     }
 
-    stats = read_curate_stats(layout.stats)
-    removed = scan_removed(layout.removed, examples=options.removed_examples, seed=options.seed)
     rejected = scan_rejected(layout.rejected, examples=options.rejected_examples, seed=options.seed)
-    funnel = build_funnel(stats, removed, rejected, options)
+    contamination = (
+        scan_contamination(
+            removed,
+            scans if flagged else None,
+            files,
+            examples=options.removed_examples,
+            seed=options.seed,
+        )
+        if stats is not None and stats.stages.get(DECONTAM)
+        else None
+    )
+    funnel = build_funnel(stats, removed, rejected, options, contamination)
+    boilerplate = boilerplate_section(stats, options.preview_chars)
+    duplicates = duplicates_section(scans, stats)
+    personal_data = personal_data_section(stats, scans, scan_removed_pii(removed))
     mixture = build_mixture(plan, previous_plan, cell_tokens)
 
     samples = [s for card in cards for q in card["qualities"] for s in q["samples"]]
@@ -453,6 +440,7 @@ def build_overview(
                 "samples": [s["id"] for s in q["samples"]],
                 "cluster_sizes": q["cluster_sizes"],
                 "represented_documents": q["represented"],
+                "pii": (scans[q["cell"]].pii or None) if q["cell"] in scans else None,
             }
             for card in cards
             for q in card["qualities"]
@@ -479,6 +467,16 @@ def build_overview(
             }
             for card in cards
         },
+        "sources": {
+            name: {
+                "documents": total.documents,
+                "characters": total.characters,
+                "cluster_sizes": total.cluster_sizes or None,
+                "represented_documents": total.represented if total.cluster_sizes else None,
+                "pii": total.pii or None,
+            }
+            for name, total in totals_by_source(scans).items()
+        },
         **({"topic_model": topic_model} if topic_model else {}),
         **({"quality_cuts": {row["key"]: row["cuts"] for row in quality_cuts}} if quality_cuts else {}),
         "options": {
@@ -493,6 +491,9 @@ def build_overview(
         "legend": legend,
         "cards": cards,
         "funnel": funnel,
+        "boilerplate": boilerplate,
+        "duplicates": duplicates,
+        "personal_data": personal_data,
         "mixture": mixture,
         "samples": samples,
         "sample_total": len(samples),
@@ -506,19 +507,18 @@ def build_overview(
     }
 
 
-def _contamination(stats: CurateStats | None) -> list[dict[str, Any]]:
-    """Documents matched per evaluation set (benchmark) by the decontam stage (stats.json:
-    stages.decontam), with how each matched: `verbatim`, `edited` (most of an item, a few words changed)
-    or `partial` (a long passage quoted in part); docs/decontam.md."""
-    decontam = (stats.stages.get("decontam") if stats else None) or {}
-    checked = int(decontam.get("documents", 0))
-    rows = []
-    for name, entry in sorted((decontam.get("eval_sets") or {}).items()):
-        documents = int(entry.get("documents", 0))
-        share = f"{100 * documents / checked:.2g}%" if checked else "–"  # tiny shares keep their digits
-        kinds = {kind: int(entry.get(kind, 0)) for kind in ("verbatim", "edited", "partial")}
-        rows.append({"eval_set": name, "documents": documents, "share": share, "checked": checked, **kinds})
-    return rows
+def flagged_contamination(stats: CurateStats | None, removed: dict[str, Any]) -> bool:
+    """Whether the decontam stage flagged (kept) documents: it matched more documents of some evaluation
+    set than removed/ holds for that set. Only then is curated/'s metadata read for them."""
+    decontam = (stats.stages.get(DECONTAM) if stats else None) or {}
+    sets = decontam.get("eval_sets") if isinstance(decontam.get("eval_sets"), dict) else {}
+    if not sets:
+        return False
+    removed_only = scan_contamination(removed, None, {}, examples=0, seed=0)
+    return any(
+        isinstance(entry, dict) and int(entry.get("documents", 0)) > removed_only.removed.get(name, 0)
+        for name, entry in sets.items()
+    )
 
 
 def build_funnel(
@@ -526,8 +526,10 @@ def build_funnel(
     removed: dict[str, Any],
     rejected: dict[str, dict[str, Any]],
     options: OverviewOptions,
+    contamination: ContaminationScan | None = None,
 ) -> dict[str, Any]:
-    """Documents and tokens after each stage, removals by reason with examples, rejected input by kind."""
+    """Documents and tokens after each stage, removals by reason with examples, rejected input by kind,
+    contamination per evaluation set (with `contamination`'s examples) and the input sources."""
     stages = []
     if stats:
         previous = None
@@ -574,7 +576,7 @@ def build_funnel(
                 "tokens_text": format_count(tokens_estimated),
                 "examples": [
                     {
-                        **_sample(row, "", options.preview_chars),
+                        **sample_row(row, "", options.preview_chars),
                         "detail": _detail_text(row.get("detail")),
                     }
                     for row in (scanned.examples if scanned else [])
@@ -614,20 +616,16 @@ def build_funnel(
                 "tokens_estimated": tokens,
                 "tokens_text": format_count(tokens),
             }
-    sources = [
-        {"name": name, **outcomes.to_json()}
-        for name, outcomes in sorted((stats.sources if stats else {}).items())
-    ]
     return {
         "present": stats is not None,
         "stages": stages,
         "chart": chart,
         "reasons": reasons,
         "rejected": rejected_rows,
-        "contamination": _contamination(stats),
+        "contamination": contamination_rows(stats, contamination, options.preview_chars),
         "totals": totals,
         "balanced": None if stats is None else stats.balanced,
-        "sources": sources,
+        "sources": source_rows(stats),
         "recipe": stats.recipe if stats else None,
         "chars_per_token": stats.chars_per_token if stats else None,
     }

@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill.formats.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA
+from tokenmill.formats.documents import DOCUMENT_SCHEMA, REMOVED_SCHEMA, cluster_size_bin
 from tokenmill.formats.evals import EVAL, averages, eval_line, set_record
 
 BASE_DOMAINS = (
@@ -72,6 +72,27 @@ HOSTILE = (
 )
 HOSTILE_DOMAIN = "web"
 HOSTILE_QUALITY = 0
+#: Markup that the page must show as text, in the records beside the documents (a repeated line, a
+#: license, a decontam example).
+HOSTILE_MARKUP = "<script>window.__pwned=1</script>"
+#: Duplicate-cluster sizes of the curated rows, by row number (a cycle: most documents stand for one).
+CLUSTER_SIZES = (1, 1, 2, 1, 1, 1, 6, 1, 1, 3, 1, 1, 1, 1, 17)
+#: What the fixture's pii stage does with each kind (recipe `pii:`): phones are flagged, the rest masked.
+PII_ACTIONS = {
+    "email": "masked",
+    "phone": "flagged",
+    "ip": "masked",
+    "credit_card": "masked",
+    "iban": "masked",
+}
+#: The fixture's decontam matches: removed documents (by number) and the one flagged, kept document, each
+#: with its matches per evaluation set as (set, kind); stats.json's `stages.decontam` counts these.
+DECONTAM_REMOVED = (
+    (("gsm8k-test", "verbatim"),),
+    (("gsm8k-test", "verbatim"), ("mmlu-test", "partial")),
+    (("mmlu-test", "verbatim"),),
+)
+DECONTAM_FLAGGED = (("gsm8k-test", "edited"),)
 
 
 @dataclass(frozen=True)
@@ -124,6 +145,36 @@ def _row(
         "n_chars": len(text),
         "n_words": len(text.split()),
         "dup_cluster": None,
+        "dup_cluster_size": None,
+        "pii": None,
+    }
+
+
+def pii_finds(number: int) -> dict[str, int]:
+    """The `pii` column of the fixture's curated row `number` in its cell: finds in 1 row of 4."""
+    if number % 4 != 1:
+        return dict.fromkeys(PII_ACTIONS, 0)
+    return {
+        "email": 1 + number % 3,
+        "phone": number % 2,
+        "ip": int(number % 5 == 0),
+        "credit_card": 0,
+        "iban": 0,
+    }
+
+
+def _contamination(matches: Sequence[tuple[str, str]], action: str) -> dict[str, Any]:
+    """The decontam stage's annotation of a document (as in removed/ `detail` and kept `metadata`)."""
+    described = [
+        {"eval_set": name, "file": f"evals/{name}.jsonl", "line": 7 + i, "match": kind, "coverage": 1.0
+         if kind == "verbatim" else 0.8, "words": 20, "of": 20 if kind == "verbatim" else 25, "paragraph": 1}
+        for i, (name, kind) in enumerate(matches)
+    ]  # fmt: skip
+    return {
+        "eval_sets": [name for name, _ in matches],
+        "coverage": 1.0,
+        "matches": described,
+        "action": action,
     }
 
 
@@ -182,7 +233,17 @@ def make_report_inputs(
                 else:
                     text = _text(rng, rng.randint(*words_per_doc))
                     url = f"https://{domain}.example.org/doc/{quality}/{i}" if i % 4 else None
-                rows.append(_row(f"{domain}-{quality}-{i:06d}", text, source, url, domain, quality, rng))
+                row = _row(f"{domain}-{quality}-{i:06d}", text, source, url, domain, quality, rng)
+                # Not drawn from rng, so that the rows' texts and samples stay what they were.
+                row["dup_cluster_size"] = CLUSTER_SIZES[(i + quality) % len(CLUSTER_SIZES)]
+                row["pii"] = pii_finds(i)
+                if d_index == 0 and quality == 4 and i == 0:  # the decontam stage's flagged document
+                    row["text"] = "An opening paragraph.\n\nFLAGGED-DECONTAM " + row["text"]
+                    row["n_chars"] = len(row["text"])
+                    row["metadata"] = json.dumps(
+                        {"contamination": _contamination(DECONTAM_FLAGGED, "flag"), "crawl": "fixture"}
+                    )
+                rows.append(row)
                 source_stats.setdefault(source, {"read": 0, "kept": 0, "removed": 0, "rejected": 0})
                 source_stats[source]["read"] += 1
                 source_stats[source]["kept"] += 1
@@ -241,7 +302,19 @@ def make_report_inputs(
 
     removed = _write_removed(curate, rng, hostile, source_stats)
     rejected = _write_rejected(curate, hostile, source_stats)
-    _write_stats(curate, cell_stats, removed, rejected, source_stats)
+
+    def finds(folder: Path) -> list[dict]:
+        tables = [
+            pq.read_table(path, columns=["dup_cluster_size", "pii"])
+            for path in sorted(folder.rglob("*.parquet"))
+        ]
+        return [row for table in tables for row in table.to_pylist()]
+
+    kept_rows, pii_removed = finds(curate / "curated"), finds(curate / "removed" / "stage=pii")
+    _provenance(source_stats, hostile)
+    _write_stats(
+        curate, cell_stats, removed, rejected, source_stats, _stage_stats(kept_rows, pii_removed, hostile)
+    )
     plan, previous = make_plans(counts)
     (root / "plan.json").write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
     (root / "previous-plan.json").write_text(json.dumps(previous, indent=2, sort_keys=True) + "\n")
@@ -270,6 +343,8 @@ REMOVAL_REASONS = (
     ("heuristics", "too_short", 7),
     ("heuristics", "repetition", 4),
     ("exact_dedupe", "exact_duplicate", 5),
+    ("decontam", "contaminated", len(DECONTAM_REMOVED)),
+    ("pii", "pii_density", 2),
 )
 
 
@@ -284,12 +359,26 @@ def _write_removed(
             detail = {"filter": reason, "value": round(rng.random(), 3)}
             if stage == "exact_dedupe":
                 detail = {"kept_id": f"web-3-{i:06d}"}
-            if hostile and i == 0:
+            if hostile and i == 0 and stage not in ("decontam", "pii"):
                 text = "<script>window.__pwned=1</script>removed HOSTILE-REMOVED"
                 detail = {"filter": "</script><script>window.__pwned=1</script>"}
+            finds = None
+            if stage == "decontam":  # the matched item is the second paragraph
+                item = (
+                    f"{HOSTILE_MARKUP} HOSTILE-DECONTAM {i}" if hostile else f"Question {i}: what is 6 x 7?"
+                )
+                text = f"An unrelated opening.\n\n{item}\n\nAnd a closing paragraph."
+                detail = _contamination(DECONTAM_REMOVED[i], "remove")
+            elif stage == "pii":  # a contact list, its finds masked
+                finds = {"email": 8 + i, "phone": 3, "ip": 0, "credit_card": 0, "iban": 0}
+                text = "Contacts: " + " ".join(
+                    ["|||EMAIL_ADDRESS|||"] * finds["email"] + ["|||PHONE_NUMBER|||"] * 3
+                )
+                detail = {"kinds": ["email"], "counts": {k: v for k, v in finds.items() if v}}
             source = SOURCES[i % len(SOURCES)]
             row = _row(f"removed-{stage}-{i:05d}", text, source, None, None, None, rng)
             row["detail"] = json.dumps(detail)
+            row["pii"] = finds
             rows.append(row)
             source_stats[source]["read"] += 1
             source_stats[source]["removed"] += 1
@@ -361,7 +450,97 @@ def _write_rejected(curate: Path, hostile: bool, source_stats) -> dict[str, int]
     return kinds
 
 
-def _write_stats(curate: Path, cells, removed, rejected, source_stats) -> None:
+def _stage_stats(kept_rows: list[dict], pii_removed: list[dict], hostile: bool) -> dict[str, Any]:
+    """stats.json's `stages`, as the stages would count the fixture's files: decontam per evaluation set,
+    pii per kind, dedupe_clusters' sizes, and line_boilerplate's report per source (its repeated lines
+    written here: the fixture's texts have none)."""
+    per_set: dict[str, dict[str, int]] = {}
+    for matches in (*DECONTAM_REMOVED, DECONTAM_FLAGGED):
+        for name, kind in matches:
+            counts = per_set.setdefault(name, {"documents": 0})
+            counts["documents"] += 1
+            counts[kind] = counts.get(kind, 0) + 1
+    with_pii = [row["pii"] for row in kept_rows if any(row["pii"].values())]
+    pii: dict[str, Any] = {
+        "documents": len(kept_rows) + len(pii_removed),
+        "documents_with_pii": len(with_pii) + len(pii_removed),
+        "documents_masked": sum(
+            1 for found in with_pii if any(found[k] for k, a in PII_ACTIONS.items() if a == "masked")
+        ),
+        "documents_removed": len(pii_removed),
+    }
+    for kind, action in PII_ACTIONS.items():
+        for outcome, rows in ((action, with_pii), ("removed", [row["pii"] for row in pii_removed])):
+            if sum(found[kind] for found in rows):
+                pii.setdefault(kind, {})[outcome] = sum(found[kind] for found in rows)
+    sizes = [row["dup_cluster_size"] for row in kept_rows if row["dup_cluster_size"] > 1]
+    histogram: dict[str, int] = {}
+    for size in sizes:
+        histogram[cluster_size_bin(size)] = histogram.get(cluster_size_bin(size), 0) + 1
+    repeated = f"{HOSTILE_MARKUP} Accept cookies HOSTILE-LINE" if hostile else "Accept cookies"
+    boilerplate_sources = {
+        "source:crawl-2024.jsonl.zst": {
+            "documents": 120, "characters": 96_000, "documents_counted": 120, "frequent_lines": 14,
+            "lines_removed": 1_450, "characters_removed": 21_300, "documents_edited": 110,
+            "documents_removed": 4,
+            "top_lines": [{"text": "Home | About | Contact", "documents": 118},
+                          {"text": repeated, "documents": 97}, {"text": None, "documents": 40}],
+        },
+        "source:forums.warc.gz": {
+            "documents": 60, "characters": 30_000, "documents_counted": 60, "frequent_lines": 2,
+            "lines_removed": 80, "characters_removed": 1_900, "documents_edited": 40, "documents_removed": 0,
+            "top_lines": [{"text": "Reply · Quote · Report", "documents": 40}],
+        },
+    }  # fmt: skip
+    totals = (
+        "frequent_lines",
+        "lines_removed",
+        "characters_removed",
+        "documents_edited",
+        "documents_removed",
+    )
+    return {
+        "decontam": {
+            # It checks what it removes and what later stages (pii) see.
+            "documents": len(kept_rows) + len(pii_removed) + len(DECONTAM_REMOVED),
+            "contaminated": len(DECONTAM_REMOVED) + 1,
+            "eval_sets": dict(sorted(per_set.items())),
+        },
+        "pii": pii,
+        "dedupe_clusters": {
+            "removals_followed": sum(size - 1 for size in sizes),
+            "kept_id_moved": 1,
+            "removed_with_representative": 0,
+            "clusters": len(sizes),
+            "documents_in_clusters": sum(sizes),
+            "largest_cluster": max(sizes, default=0),
+            "cluster_sizes": dict(sorted(histogram.items())),
+        },
+        "line_boilerplate": {
+            "documents_counted": 180,
+            "sources_with_boilerplate": len(boilerplate_sources),
+            **{key: sum(entry[key] for entry in boilerplate_sources.values()) for key in totals},
+            "sources": boilerplate_sources,
+        },
+    }
+
+
+def _provenance(source_stats: dict[str, dict[str, Any]], hostile: bool) -> None:
+    """License and provenance for some sources, as a recipe's `sources:` table and the records' own license
+    field give them (stats.json `sources`); with `hostile`, markup and a javascript: URL among them."""
+    source_stats["crawl-2024.jsonl.zst"].update(
+        license="CC-BY-4.0", provenance="https://crawl.example.org/2024"
+    )
+    source_stats["papers.jsonl"].update(
+        license="CC-BY-4.0 OR MIT", licenses={"CC-BY-4.0": 3, "MIT": 2, "(other)": 1}
+    )
+    if hostile:
+        source_stats["books.parquet"].update(
+            license=f"{HOSTILE_MARKUP}HOSTILE-LICENSE", provenance="javascript:window.__pwned=1"
+        )
+
+
+def _write_stats(curate: Path, cells, removed, rejected, source_stats, stages: dict[str, Any]) -> None:
     def total(entries) -> dict[str, int]:
         return {
             "documents": sum(e["documents"] for e in entries),
@@ -402,16 +581,7 @@ def _write_stats(curate: Path, cells, removed, rejected, source_stats) -> None:
         "rejected_by_error": {k: {"documents": v} for k, v in sorted(rejected.items())},
         "cells": cells,
         "sources": source_stats,
-        "stages": {
-            "decontam": {
-                "documents": read["documents"],
-                "contaminated": 5,
-                "eval_sets": {
-                    "gsm8k-test": {"documents": 3, "verbatim": 2, "edited": 1},
-                    "mmlu-test": {"documents": 2, "verbatim": 1, "partial": 1},
-                },
-            }
-        },
+        "stages": stages,
     }
     (curate / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
 

@@ -29,7 +29,6 @@ from tokenmill.filters.decontam.hashing import (
     extract_ngrams,
     hash_words,
     normalize_for_matching,
-    split_paragraphs,
     text_hash,
     window_hashes,
 )
@@ -42,6 +41,7 @@ from tokenmill.filters.decontam.index import (
 )
 from tokenmill.filters.decontam.matching import Matcher
 from tokenmill.filters.decontam.stage import Decontaminate
+from tokenmill.formats.documents import split_paragraphs
 
 __all__ = [
     "FORMAT_VERSION",

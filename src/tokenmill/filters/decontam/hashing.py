@@ -27,7 +27,6 @@ DEFAULT_N = 13
 
 _NON_WORD = re.compile(r"[\W_]+")
 _ASCII_NON_WORD = str.maketrans({chr(c): " " for c in range(128) if not chr(c).isalnum()})
-_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n\s*")
 # Odd multipliers, so that their powers are invertible mod 2**64 (windows are cut from prefix sums).
 _BYTE_BASE = 0x9E3779B97F4A7C15
 _WORD_BASE = 0xC2B2AE3D27D4EB4F
@@ -52,11 +51,6 @@ def count_words(text: str) -> int:
     if text.isascii():
         return len(text.translate(_ASCII_NON_WORD).split())
     return len(_NON_WORD.sub(" ", unicodedata.normalize("NFC", text)).split())
-
-
-def split_paragraphs(text: str) -> list[str]:
-    """Paragraphs are separated by blank lines (lines holding only spaces or tabs count as blank)."""
-    return _PARAGRAPH_BREAK.split(text)
 
 
 class _Powers:

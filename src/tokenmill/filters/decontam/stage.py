@@ -13,10 +13,11 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 from tokenmill.filters.base import DocumentStep, Removal
-from tokenmill.filters.decontam.hashing import count_words, normalize_for_matching, split_paragraphs
+from tokenmill.filters.decontam.hashing import count_words, normalize_for_matching
 from tokenmill.filters.decontam.index import DecontamIndex, load_index, read_index_header
 from tokenmill.filters.decontam.matching import DEFAULT_BAND, Match, Matcher
 from tokenmill.filters.models import SharedModel
+from tokenmill.formats.documents import split_paragraphs
 
 #: Documents are matched in chunks of about this many bytes, which bounds the temporary arrays.
 _CHUNK_BYTES = 1 << 20
