@@ -74,3 +74,12 @@ def format_duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.2f} h"
+
+
+def format_bytes(value: float) -> str:
+    """Bytes in decimal units at three significant digits: 26295808 -> '26.3 MB', 4.5e10 -> '45.0 GB'."""
+    for suffix, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if abs(value) >= scale * 0.9995:  # what would print as 1000 of the unit below
+            number = float(f"{value / scale:.3g}")
+            return f"{number:.{max(0, 2 - math.floor(math.log10(abs(number))))}f} {suffix}"
+    return f"{value:.0f} B"

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from tokenmill.errors import UsageError
-from tokenmill.units import format_count, parse_count
+from tokenmill.units import format_bytes, format_count, format_duration, parse_count
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,7 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "update) for --devices simulated host devices with abstract arrays (nothing is allocated), and "
         "prints XLA's bytes per device (arguments, outputs, temporaries, their total, and the optimizer "
         "state kept in pinned host memory), XLA's FLOPs per step summed over devices next to the model's "
-        "own count, the compile time, and whether it fits --device-memory. See docs/trainer.md.",
+        "own count, the bytes per device the step's collectives move by what they serve with their time "
+        "at --link-bandwidth against the compute at --mfu, the compile time, and whether it fits "
+        "--device-memory. See docs/trainer.md.",
     )
     compile_.add_argument("config", help="a model shape, e.g. configs/models/marin-535b-a23b.yaml")
     compile_.add_argument("--devices", type=int, required=True, help="simulated devices (the mesh's size)")
@@ -84,6 +86,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     compile_.add_argument(
         "--compute-dtype", choices=["float32", "bfloat16"], default="bfloat16", help="matmul precision"
+    )
+    compile_.add_argument(
+        "--link-bandwidth",
+        default="gb200-nvl72",
+        help="link bandwidth per device and direction for the communication time: GB/s (e.g. 450) or a "
+        "preset: gb200-nvl72 (900, the default), h100-node, h200-node (450), ib-400g (50)",
+    )
+    compile_.add_argument(
+        "--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step's compute time (0.4)"
+    )
+    compile_.add_argument(
+        "--peak-flops",
+        help="dense peak FLOP/s of one device for the compute time, e.g. 989T (default: the preset's chip; "
+        "a GB200's 2.5P for a plain bandwidth)",
     )
     compile_.add_argument("--json", action="store_true", help="print JSON")
     compile_.set_defaults(handler=_model_compile)
@@ -186,13 +202,18 @@ def parse_mesh_axes(text: str | None, devices: int) -> dict[str, int]:
 
 def _model_compile(args: argparse.Namespace) -> int:
     from tokenmill.trainer.model.shape import load_model_config
+    from tokenmill.trainer.run.collectives import parse_link
 
     try:
         cfg = load_model_config(args.config)
         device_memory = parse_bytes(args.device_memory)
         mesh = parse_mesh_axes(args.mesh, args.devices)
+        parse_link(args.link_bandwidth)
+        peak_flops = parse_count(args.peak_flops) if args.peak_flops else None
     except ValueError as error:
         raise UsageError(str(error)) from error
+    if not 0 < args.mfu <= 1 or peak_flops == 0:
+        raise UsageError("--mfu must be in (0, 1] and --peak-flops positive")
     if args.devices <= 0 or args.batch_size <= 0 or args.microbatches <= 0:
         raise UsageError("--devices, --batch-size and --microbatches must be positive")
     if args.batch_size % (args.devices * args.microbatches):
@@ -215,6 +236,9 @@ def _model_compile(args: argparse.Namespace) -> int:
         optimizer_state=args.optimizer_state,
         compute_dtype=args.compute_dtype,
         microbatches=args.microbatches,
+        link=args.link_bandwidth,
+        mfu=args.mfu,
+        peak_flops=peak_flops,
     )
     if args.json:
         print(json.dumps(report, indent=2))
@@ -248,10 +272,11 @@ def _rerun_with_devices(args: argparse.Namespace) -> int:
     argv = ["model", "compile", args.config, "--devices", str(args.devices),
             "--batch-size", str(args.batch_size), "--device-memory", args.device_memory,
             "--optimizer-state", args.optimizer_state, "--compute-dtype", args.compute_dtype,
-            "--microbatches", str(args.microbatches)]  # fmt: skip
+            "--microbatches", str(args.microbatches), "--link-bandwidth", args.link_bandwidth,
+            "--mfu", str(args.mfu)]  # fmt: skip
     for flag, value in (("--mesh", args.mesh), ("--sequence-length", args.sequence_length),
-                        ("--remat", args.remat),
-                        ("--optimizer", args.optimizer)):  # fmt: skip
+                        ("--remat", args.remat), ("--optimizer", args.optimizer),
+                        ("--peak-flops", args.peak_flops)):  # fmt: skip
         if value is not None:
             argv += [flag, str(value)]
     if args.json:
@@ -289,6 +314,8 @@ def format_compile_report(report: dict) -> str:
         + ("within" if report["flops_agree"] else "NOT within")
         + f" {FLOPS_TOLERANCE:.0%})",
     ]
+    if report.get("communication"):
+        lines += format_communication(report["communication"])
     limit = report["device_memory"]
     if report["fits"]:
         lines.append(
@@ -302,3 +329,77 @@ def format_compile_report(report: dict) -> str:
         )
         lines += [f"    - {tip}" for tip in report["suggestions"]]
     return "\n".join(lines)
+
+
+def format_communication(comm: dict) -> list[str]:
+    """The lines of `format_compile_report` on what the step's collectives move and how long it takes."""
+    moved, seconds, link = comm["bytes_per_device"], comm["communication_seconds"], comm["link"]
+
+    def listed(values: dict, show) -> str:
+        return ", ".join(f"{key} {show(value)}" for key, value in values.items() if key != "total" and value)
+
+    def duration(seconds: float) -> str:
+        if seconds >= 100:
+            return format_duration(seconds)
+        if seconds >= 1:
+            return f"{seconds:.2f} s"
+        return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+
+    where = f"{link['preset']}, {link['description']}" if link["preset"] else "as given"
+    ratio = comm["communication_over_compute"]
+    compiled = format_bytes(comm["bytes_per_device_as_compiled"]["total"])
+    bandwidth = link["bandwidth_bytes_per_second"] / 1e9
+    lines = [
+        f"  communication/step   per device {format_bytes(moved['total'])}: "
+        f"{listed(moved, format_bytes) or 'none'} ({comm['executions']:.0f} collectives run; as XLA:CPU "
+        f"compiled them, bf16 values widened to f32: {compiled})",
+        f"    by kind            {listed(comm['bytes_per_device_by_kind'], format_bytes) or 'none'}",
+        f"    time               {duration(seconds['total'])} at {bandwidth:.0f} GB/s "
+        f"({where}; {listed(seconds, duration) or 'nothing'}) against compute "
+        f"{duration(comm['compute_seconds'])} at "
+        f"{link['mfu']:.0%} MFU of {link['peak_flops_per_device']:.3g} FLOP/s: communication / compute "
+        + (f"{ratio:.2f}" if ratio is not None else "n/a"),
+    ]
+    sharded = comm["gradient_all_reduce_of_sharded_parameters"]
+    if sharded:
+        lines.append(
+            f"    gradients          {format_bytes(sharded)} of the gradient reduction are all-reduces of "
+            "fsdp-sharded parameters, each device keeping its slice (XLA:GPU would make them "
+            "reduce-scatters, half the bytes)"
+        )
+    narrowed = comm["narrowed_after_moving"]
+    if narrowed["bytes"]:
+        narrow = format_bytes(narrowed["at_the_narrow_dtype"])
+        lines.append(
+            f"    narrowed           {format_bytes(narrowed['bytes'])} of it arrive wider than every use "
+            f"reads them (moved wide, then cast narrower: fp32 to bf16 under bf16 compute): {narrow} if the "
+            "cast came first"
+        )
+    unattributed = comm["unattributed"]
+    notes = [f"other {format_bytes(unattributed['other_bytes'])}"]
+    if unattributed["loops_without_trip_count"]:
+        notes.append(
+            f"{unattributed['loops_without_trip_count']} loops of unknown trip count counted once "
+            f"({format_bytes(unattributed['loop_bodies_counted_once_bytes'])})"
+        )
+    if unattributed["conditionals_counted_by_heaviest_branch"]:
+        notes.append(
+            f"{unattributed['conditionals_counted_by_heaviest_branch']} conditionals counted by their "
+            "heaviest branch"
+        )
+    if unattributed["ragged_upper_bound_bytes"]:
+        notes.append(
+            f"ragged all-to-alls at their buffers {format_bytes(unattributed['ragged_upper_bound_bytes'])}"
+        )
+    if unattributed["unreadable_groups"]:
+        notes.append(f"{len(unattributed['unreadable_groups'])} collectives with unreadable groups left out")
+    lines.append("    not attributed     " + "; ".join(notes))
+    lines.append("    largest            per step and device, with the model code that made them:")
+    for entry in comm["largest"][:6]:
+        lines.append(
+            f"      {format_bytes(entry['bytes']):>9} {entry['kind']} ({entry['category']}, "
+            f"{entry['phase']}, groups of {entry['group_size']}, {entry['executions']:.0f} runs) "
+            f"{entry['source'] or entry['op_name']}"
+            + (" (XLA combined several ops into it; the line is one's)" if entry.get("combined") else "")
+        )
+    return lines

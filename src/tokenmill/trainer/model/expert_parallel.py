@@ -28,6 +28,9 @@ from tokenmill.trainer.model.shape import MoEConfig
 log = logging.getLogger(__name__)
 
 EXPERT_AXIS = "expert"
+# The named scope around the collectives that carry tokens to their experts and back: `tokenmill model
+# compile` finds the dispatch's bytes by it in the compiled HLO's op_name (run/collectives.py).
+DISPATCH_SCOPE = "expert_dispatch"
 
 # "capacity": fixed cells; "capacity_dropless": the CPU fallback of dropless (cells that cannot overflow);
 # "ragged": jax.lax.ragged_all_to_all; "ragged_emulated": the same exchange built from a dense all_to_all,
@@ -244,9 +247,12 @@ def capacity_exchange(
     cells = cells.at[copies.expert, slot].set(tokens[copies.token], mode="drop")
     # Experts are blocks of n_local on consecutive devices, as the weights are sharded: chunk j of the
     # expert dimension goes to device j, and what arrives is [(sender, local expert), C, W].
-    arrived = jax.lax.all_to_all(cells, EXPERT_AXIS, 0, 0, tiled=True).reshape(n, n_local, capacity, width)
+    with jax.named_scope(DISPATCH_SCOPE):
+        arrived = jax.lax.all_to_all(cells, EXPERT_AXIS, 0, 0, tiled=True)
+    arrived = arrived.reshape(n, n_local, capacity, width)
     out = _swiglu_experts(arrived, weights, "nlcw->nlch").reshape(n_experts, capacity, width)
-    back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0, tiled=True)  # [E, C, W] in this device's order
+    with jax.named_scope(DISPATCH_SCOPE):
+        back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0, tiled=True)  # [E, C, W] in this device's order
     rows = back[copies.expert, jnp.minimum(copies.position, capacity - 1)]
     return jnp.where(kept[:, None], rows, 0), kept
 
@@ -300,7 +306,8 @@ def ragged_exchange(
     t = n_copies // m.top_k
     limit = receive_rows(t, n, m)
 
-    counts = jax.lax.all_gather(copies.counts, EXPERT_AXIS)  # [sender, E]
+    with jax.named_scope(DISPATCH_SCOPE):
+        counts = jax.lax.all_gather(copies.counts, EXPERT_AXIS)  # [sender, E]
     cells = counts.reshape(n, n, n_local)  # [sender, receiver, local expert]
     per_expert = cells.sum(0)  # [receiver, local expert]
     offset = (jnp.cumsum(per_expert, 1) - per_expert)[None] + (jnp.cumsum(cells, 0) - cells)
@@ -310,15 +317,16 @@ def ragged_exchange(
     exchange = emulated_ragged_all_to_all if emulated else jax.lax.ragged_all_to_all
     send_sizes = kept_cells[me].reshape(n_experts)
     arriving = kept_cells[:, me].reshape(n * n_local)  # slice i = (sender i // n_local, expert i % n_local)
-    arrived = exchange(
-        tokens[copies.token],
-        jnp.zeros((limit, width), tokens.dtype),
-        copies.starts,
-        send_sizes,
-        offset[me].reshape(n_experts),
-        arriving,
-        axis_name=EXPERT_AXIS,
-    )
+    with jax.named_scope(DISPATCH_SCOPE):
+        arrived = exchange(
+            tokens[copies.token],
+            jnp.zeros((limit, width), tokens.dtype),
+            copies.starts,
+            send_sizes,
+            offset[me].reshape(n_experts),
+            arriving,
+            axis_name=EXPERT_AXIS,
+        )
     group_sizes = kept_cells[:, me].sum(0)  # [local expert]; rows past their sum are unused padding
 
     def grouped(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
@@ -327,14 +335,15 @@ def ragged_exchange(
     gate, up, down = weights
     out = grouped(jax.nn.silu(grouped(arrived, gate)) * grouped(arrived, up), down)
     my_experts = me * n_local + jnp.arange(n_local, dtype=jnp.int32)
-    back = exchange(
-        out,
-        jnp.zeros((n_copies, width), tokens.dtype),
-        offset[:, me].reshape(n * n_local),
-        arriving,
-        jnp.take(sender_starts, my_experts, axis=1).reshape(n * n_local),
-        send_sizes,
-        axis_name=EXPERT_AXIS,
-    )
+    with jax.named_scope(DISPATCH_SCOPE):
+        back = exchange(
+            out,
+            jnp.zeros((n_copies, width), tokens.dtype),
+            offset[:, me].reshape(n * n_local),
+            arriving,
+            jnp.take(sender_starts, my_experts, axis=1).reshape(n * n_local),
+            send_sizes,
+            axis_name=EXPERT_AXIS,
+        )
     kept = copies.position < send_sizes[copies.expert]
     return back, kept

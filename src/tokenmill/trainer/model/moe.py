@@ -97,12 +97,15 @@ def capacity_dispatch(
     combine = jnp.einsum("bske,bskc,bsk->bsec", chosen, slot, weights.astype(x.dtype))
 
     expert_in = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
-    # The all-to-all: tokens leave their batch shard for the device that holds their expert.
-    expert_in = constrain(expert_in, "expert", ("data", "fsdp"), None, None)
+    # The all-to-all: tokens leave their batch shard for the device that holds their expert (the scope
+    # names the partitioner's collective for `model compile`'s count, run/collectives.py).
+    with jax.named_scope(expert_parallel.DISPATCH_SCOPE):
+        expert_in = constrain(expert_in, "expert", ("data", "fsdp"), None, None)
     hidden = jax.nn.silu(jnp.einsum("ebcd,edh->ebch", expert_in, params["w_gate"].astype(x.dtype)))
     hidden = hidden * jnp.einsum("ebcd,edh->ebch", expert_in, params["w_up"].astype(x.dtype))
     expert_out = jnp.einsum("ebch,ehd->ebcd", hidden, params["w_down"].astype(x.dtype))
-    expert_out = constrain(expert_out, "expert", ("data", "fsdp"), None, None)
+    with jax.named_scope(expert_parallel.DISPATCH_SCOPE):
+        expert_out = constrain(expert_out, "expert", ("data", "fsdp"), None, None)
     y = jnp.einsum("bsec,ebcd->bsd", combine, expert_out)
     return y, dropped
 

@@ -2,8 +2,9 @@
 
 `compile_report` lowers and compiles the very step `tokenmill train` runs (step.compile_train_step) with
 abstract arrays on the current (simulated) devices, so no parameter is allocated, and reads XLA's memory
-plan and FLOP count; `executed_flops` is the model's own count of what that step executes, to compare.
-docs/trainer.md, "Compiling ahead of time".
+plan and FLOP count, and what the step's collectives move (collectives.py) with the time that takes at a
+link bandwidth next to the compute at an MFU; `executed_flops` is the model's own count of what that step
+executes, to compare. docs/trainer.md, "Compiling ahead of time".
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from tokenmill.trainer.model.moe import expert_capacity
 from tokenmill.trainer.model.sharding import batch_sharding, make_mesh
 from tokenmill.trainer.model.transformer import block_size
 from tokenmill.trainer.run import optim
+from tokenmill.trainer.run.collectives import (
+    DEFAULT_LINK,
+    DEFAULT_MFU,
+    LINK_PRESETS,
+    ParameterShapes,
+    communication,
+    estimate_times,
+    parse_link,
+)
 from tokenmill.trainer.run.config import Phase, RunConfig, resolve_run_config
 from tokenmill.trainer.run.step import compile_train_step
 
@@ -38,9 +48,19 @@ def compile_report(
     compute_dtype: str = "bfloat16",
     microbatches: int = 1,
     probe_microbatches: bool = True,
+    link: str = DEFAULT_LINK,
+    mfu: float = DEFAULT_MFU,
+    peak_flops: float | None = None,
+    count_communication: bool = True,
 ) -> dict:
     """Compile one train step of `cfg` on the current JAX devices (which must number the mesh's size) with
     abstract arrays, and measure it: the dict `model compile --json` prints.
+
+    The report's `communication` (when `count_communication`): the bytes per device the step's
+    collectives move, by what they serve (collectives.communication), and their time at `link` (a preset
+    of LINK_PRESETS or GB/s per device and direction) next to the step's compute at `mfu` of `peak_flops`
+    per device (default: the preset's chip, a GB200 for a plain number), for the MFU count of the step's
+    FLOPs. Reading it holds the compiled HLO's text and its parse (tens of MB for the 535B) for a moment.
 
     When the step does not fit and each device still runs more than one row per microbatch, the step is
     compiled once more at one row per device per microbatch (`probe_microbatches`): the two totals give the
@@ -96,6 +116,21 @@ def compile_report(
     total = arguments + outputs - aliased + temps
     raw_flops, loop_flops = xla_flops(compiled)
     model_flops = flops_per_token(cfg, sequence_length) * batch_size * sequence_length
+    communicated = None
+    if count_communication:
+        communicated = communication(compiled.as_text(), ParameterShapes.from_params(state["params"]))
+        preset, bandwidth, preset_peak = parse_link(link)
+        peak = peak_flops or preset_peak or LINK_PRESETS[DEFAULT_LINK]["peak_flops"]
+        communicated["link"] = {
+            "preset": preset,
+            "description": LINK_PRESETS[preset]["link"] if preset else None,
+            "bandwidth_bytes_per_second": bandwidth,
+            "peak_flops_per_device": peak,
+            "mfu": mfu,
+        }
+        communicated.update(
+            estimate_times(communicated["bytes_per_device"], bandwidth, model_flops, devices, peak, mfu)
+        )
     executed = executed_flops(
         cfg,
         mesh_axes,
@@ -137,6 +172,7 @@ def compile_report(
         "flops_ratio": xla_total / model_flops if model_flops else None,
         "flops_ratio_executed": xla_total / executed["total"] if executed["total"] else None,
         "flops_agree": bool(executed["total"]) and abs(xla_total / executed["total"] - 1) <= FLOPS_TOLERANCE,
+        "communication": communicated,
         "compile_seconds": round(compile_seconds, 2),
         "device_memory": device_memory,
         "fits": fits,
@@ -149,7 +185,7 @@ def compile_report(
         # reuses more at fewer), so the fewest rows, where a step that barely fits lies, are measured.
         probe = compile_report(
             cfg, mesh_axes, batch_size, sequence_length, device_memory, remat, optimizer, optimizer_state,
-            compute_dtype, batch_size // devices, probe_microbatches=False,
+            compute_dtype, batch_size // devices, probe_microbatches=False, count_communication=False,
         )  # fmt: skip
         per_row = (total - probe["bytes_per_device"]["total"]) / (rows - 1)
         fixed = total - per_row * rows

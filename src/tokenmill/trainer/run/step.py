@@ -30,6 +30,11 @@ from tokenmill.trainer.run.health import health
 from tokenmill.trainer.run.heuristic import ADAM_TO_MUONH_LR_RATIO
 from tokenmill.trainer.run.optim import LayerwiseOptimizer, Schedule, make_optimizer
 
+# Named scopes that mark what the step's collectives serve in the compiled HLO's op_name, read by
+# `tokenmill model compile` (run/collectives.py); metadata only, the computation is the same.
+OPTIMIZER_SCOPE = "optimizer_update"
+GRADIENT_SCOPE = "gradient_reduction"
+
 
 def make_schedule(run: ResolvedRun) -> Schedule:
     """The learning rate over the run's global steps."""
@@ -99,7 +104,8 @@ def make_train_step(
         def keep_layout(grads: Any) -> Any:
             if grad_shardings is None:
                 return grads
-            return jax.lax.with_sharding_constraint(grads, grad_shardings)
+            with jax.named_scope(GRADIENT_SCOPE):
+                return jax.lax.with_sharding_constraint(grads, grad_shardings)
 
         def body(carry: tuple, batch: tuple) -> tuple[tuple, None]:
             (total, (loss, stats)), grads = gradients(state, *batch)
@@ -128,10 +134,11 @@ def make_train_step(
         lr = schedule(state["step"])
 
         def update(grad_norm: jax.Array | None = None) -> tuple:
-            params, opt_state, grad_norm = optimizer.apply(
-                grads, state["opt_state"], state["params"], lr, grad_scale, grad_norm
-            )
-            router_bias = update_router_bias(state["router_bias"], stats.load, stats.quantile_bias, m)
+            with jax.named_scope(OPTIMIZER_SCOPE):
+                params, opt_state, grad_norm = optimizer.apply(
+                    grads, state["opt_state"], state["params"], lr, grad_scale, grad_norm
+                )
+                router_bias = update_router_bias(state["router_bias"], stats.load, stats.quantile_bias, m)
             return params, opt_state, router_bias, grad_norm
 
         window = state.get("guard")  # a state built without one (tests of the bare step) has none
