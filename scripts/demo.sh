@@ -16,7 +16,7 @@ LADDER=${LADDER:-runs/demo-ladder}
 MIXTURE=mixtures/demo.yaml
 RUN_CONFIG=configs/runs/demo.yaml
 LADDER_SPEC=configs/ladders/demo.yaml
-STEPS_TOTAL=13
+STEPS_TOTAL=14
 started=$(date +%s)
 stage=0
 
@@ -37,8 +37,11 @@ banner "fit topic domains on the sample: K=32 fine clusters (spherical k-means) 
 # fastText vectors trained on the sample itself; domains under 2% of the documents join their nearest.
 "$TOKENMILL" domains train --input data/sample --k 32 --domains 8 --min-share 0.02 --output "$OUT/models/domains"
 
+banner "index the demo's evaluation set for decontamination (data/evals/docs-qa.jsonl)"
+"$TOKENMILL" decontam index --evals data/evals/docs-qa.jsonl --output "$OUT/decontam.index"
+
 banner "curate data/sample/* into topic domain x quality cells (Beam, local runner)"
-# configs/curate/demo.yaml is mixed.yaml plus the domain_clusters stage: cells are cNN x quality.
+# configs/curate/demo.yaml is mixed.yaml plus decontam (flag) and domain_clusters: cells are cNN x quality.
 # --overwrite: a second demo run replaces the first one's output (an earlier run is refused without it).
 "$TOKENMILL" curate --recipe configs/curate/demo.yaml --input 'data/sample/*' --output "$OUT/curate" --overwrite
 

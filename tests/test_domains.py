@@ -343,6 +343,8 @@ def test_the_demo_recipe_is_mixed_yaml_with_topic_domains():
     demo = yaml.safe_load((REPO / "configs" / "curate" / "demo.yaml").read_text())
     mixed = yaml.safe_load((REPO / "configs" / "curate" / "mixed.yaml").read_text())
     assert demo["stages"][-1] == {"domain_clusters": {"model": "out/demo/models/domains"}}
-    assert {**demo, "name": mixed["name"], "stages": demo["stages"][:-1]} == mixed, (
-        "configs/curate/demo.yaml is mixed.yaml plus the domain_clusters stage: copy mixed.yaml's change"
+    assert demo["stages"][-2] == {"decontam": {"index": "out/demo/decontam.index", "action": "flag"}}
+    assert {**demo, "name": mixed["name"], "stages": demo["stages"][:-2]} == mixed, (
+        "configs/curate/demo.yaml is mixed.yaml plus the decontam and domain_clusters stages: "
+        "copy mixed.yaml's change"
     )

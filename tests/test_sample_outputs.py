@@ -1,8 +1,9 @@
 """No behaviour change: the demo's data stages on the bundled sample give the outputs they gave before.
 
 The stages run as `make demo` runs them (scripts/demo.sh), in a scratch folder laid out like the checkout:
-classifier data and the two classifiers, the topic-domain model, `curate` with configs/curate/demo.yaml
-(mixed.yaml plus the domain_clusters stage) on data/sample, the tokenizer, `tokenize`, and the plan of
+classifier data and the two classifiers, the topic-domain model, the decontam index of data/evals,
+`curate` with configs/curate/demo.yaml (mixed.yaml plus the decontam and domain_clusters stages) on
+data/sample, the tokenizer, `tokenize`, and the plan of
 mixtures/demo.yaml. Every output file's content checksum must equal tests/fixtures/sample-outputs.json.
 That file was last written during issue 20, which meant to change these outputs: the classifiers train on
 real text only (duplicates removed before the held-out split), mixed.yaml removes line-level boilerplate
@@ -10,7 +11,8 @@ first, and the cells are topic domains (cNN) x quality. Issue 30 wrote it again 
 data's legal text came to be read from the core dependencies' license files only: it had read every
 installed distribution's, so installing a test tool (pytest-xdist) changed the classifiers and every cell.
 Issue 34 wrote it again: the recipes mask and remove personal data (the `pii` column, the stage in the
-funnel) and name each source's license, and the stats gain the boilerplate stage's repeated lines. The
+funnel), flag the documents that quote data/evals/docs-qa.jsonl (the decontam stage) and name each
+source's license, and the stats gain the boilerplate stage's repeated lines. The
 same regeneration took the classifiers of a fresh install: the legal pool is read from the core
 dependencies' license files, so a release that adds a dependency or edits a license file moves them.
 
@@ -64,7 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "sample-outputs.json"
 #: What the stages read from the checkout, copied to the scratch folder under the same names (the
 #: recipe's model paths and the mixture's counts: file are relative to it, as in the demo).
-CHECKOUT_INPUTS = ("data/sample", "configs/curate/demo.yaml", "mixtures/demo.yaml")
+CHECKOUT_INPUTS = ("data/sample", "data/evals", "configs/curate/demo.yaml", "mixtures/demo.yaml")
 #: The demo's commands (scripts/demo.sh), run from the scratch folder.
 STAGES = [
     ("classifier data", ["-m", "tokenmill.samples.classifier_data", "--output", "out/demo/classifier-data"]),
@@ -83,6 +85,11 @@ STAGES = [
         "topic domains",
         ["-m", "tokenmill", "domains", "train", "--input", "data/sample", "--k", "32", "--domains", "8"]
         + ["--min-share", "0.02", "--output", "out/demo/models/domains"],
+    ),
+    (
+        "decontam index",
+        ["-m", "tokenmill", "decontam", "index", "--evals", "data/evals/docs-qa.jsonl"]
+        + ["--output", "out/demo/decontam.index"],
     ),
     (
         "curate",
