@@ -35,8 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.install]
 RECIPES = sorted((REPO / "configs" / "curate").glob("*.yaml"))
 #: What the curate container copies to install tokenmill (docker/curate.Dockerfile).
 PACKAGE_FILES = ("pyproject.toml", "setup.py", "README.md", "src")
-#: Modules of the optional extras: the trainer (`train`) and the Dask runner (`dask`).
-EXTRA_MODULES = ("tokenmill.trainer", "tokenmill.pipelines.dask_runner")
+#: Modules of the optional extras: the trainer and the export of its checkpoints (`train`), the Dask runner
+#: (`dask`).
+EXTRA_MODULES = ("tokenmill.trainer", "tokenmill.export", "tokenmill.pipelines.dask_runner")
 #: Modules that only the dev extras bring; a plain install must not have them.
 DEV_ONLY = ("pytest", "datasketch", "dask", "hypothesis", "jax")
 #: The demo's models, trained as scripts/demo.sh trains them (the recipes' model paths are these).
@@ -49,6 +50,9 @@ MODEL_COMMANDS = [
     + ["--calibration", "out/demo/classifier-data/calibration.jsonl"],
     ["-m", "tokenmill", "domains", "train", "--input", "data/sample", "--k", "32", "--domains", "8"]
     + ["--min-share", "0.02", "--output", "out/demo/models/domains"],
+    # demo.yaml's decontam stage reads the index of the demo's evaluation set.
+    ["-m", "tokenmill", "decontam", "index", "--evals", "data/evals/docs-qa.jsonl"]
+    + ["--output", "out/demo/decontam.index"],
 ]
 IMPORT_EVERY_MODULE = f"""
 import importlib, pkgutil, sys, tokenmill
@@ -129,6 +133,7 @@ def work(tmp_path_factory, plain_install) -> Path:
     """A scratch folder laid out like the checkout, with the demo's models trained by the plain install."""
     work = tmp_path_factory.mktemp("clean-install-work")
     shutil.copytree(SAMPLE, work / "data" / "sample")
+    shutil.copytree(REPO / "data" / "evals", work / "data" / "evals")
     for command in MODEL_COMMANDS:
         _run([str(plain_install), *command], work)
     return work
@@ -150,6 +155,12 @@ def test_a_plain_install_imports_every_module_outside_the_extras(plain_install, 
         command, capture_output=True, text=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}
     )
     assert result.returncode == 2 and "pip install 'tokenmill[dask]'" in result.stderr, result.stderr
+    export = [str(plain_install), "-m", "tokenmill", "export", "hf", "--run", str(tmp_path / "run")]
+    export += ["--output", str(tmp_path / "hf")]
+    result = subprocess.run(
+        export, capture_output=True, text=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}
+    )
+    assert result.returncode == 2 and "pip install 'tokenmill[train]'" in result.stderr, result.stderr
 
 
 def test_a_plain_install_curates_the_sample_with_every_shipped_recipe(plain_install, work):

@@ -30,6 +30,20 @@ COMMAND_MODULES = (
     "tokenmill.reports.commands",
 )
 
+#: The optional extra that brings each module a command may need; a plain install names it when missing.
+EXTRA_OF_MODULE = {
+    "jax": "train",
+    "jaxlib": "train",
+    "optax": "train",
+    "orbax": "train",
+    "ml_dtypes": "train",
+    "safetensors": "train",
+    "sklearn": "train",
+    "dask": "dask",
+    "distributed": "dask",
+    "pynvml": "gpu",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -65,6 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.handler(args) or 0)
     except UsageError as error:
         print(f"tokenmill {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        extra = EXTRA_OF_MODULE.get((error.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"tokenmill {args.command}: error: this command needs {error.name}, which the {extra!r} extra "
+            f"installs: pip install 'tokenmill[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
