@@ -2,7 +2,8 @@
 
 - data: plain data parallelism (replicated weights); across slices or hosts with slow links.
 - fsdp: the batch is split and the weights are split too, gathered per layer when used (ZeRO-3).
-- expert: routed experts are split by expert; outside the MoE block this axis splits the batch as well.
+- expert: routed experts are split by expert; outside the MoE block this axis splits the batch as well,
+  and the dense matrices with fsdp's (so expert=64 alone is the reference run's EP64 over a rack).
 
 The same code runs on one CPU (a 1x1x1 mesh) and on many hosts (after jax.distributed.initialize, see
 tokenmill.trainer.run.distributed, the mesh spans every process's devices). Parameter shardings are written
@@ -73,6 +74,19 @@ def _fits(dim: int, mesh: Mesh, axes: str | tuple[str, ...]) -> bool:
     return dim % int(np.prod([mesh.shape[a] for a in names])) == 0
 
 
+def _dense_axes(dim: int, mesh: Mesh) -> str | tuple[str, str] | None:
+    """The axes a dense matrix's d_model side is split over: fsdp and expert together where they divide it.
+
+    The expert axis splits the batch outside the MoE block, so a dense weight left whole on it would be a
+    replica on every expert shard, with its gradient all-reduced over them: under expert parallelism across
+    a rack (expert=64, fsdp=1) that is the 535B's 14B dense parameters in fp32 on every device, with their
+    gradients and accumulator. Split over both axes it is ZeRO-3 over every device that holds other
+    tokens, gathered per layer in bf16 like fsdp's shards. Only the data axis holds replicas."""
+    if _fits(dim, mesh, ("fsdp", "expert")) and mesh.shape["expert"] > 1:
+        return ("fsdp", "expert")
+    return "fsdp" if _fits(dim, mesh, "fsdp") else None
+
+
 def param_spec(path: tuple, leaf: Any, mesh: Mesh) -> P:
     """The sharding of one parameter, by name: experts by expert (and fsdp), matrices by fsdp on d_model.
 
@@ -95,8 +109,7 @@ def _layer_spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> tuple:
         if name.endswith("['wo']") or name.endswith("['shared_down']"):
             d_axis = 1
         spec: list = [None, None]
-        if _fits(shape[d_axis], mesh, "fsdp"):
-            spec[d_axis] = "fsdp"
+        spec[d_axis] = _dense_axes(shape[d_axis], mesh)
         return tuple(spec)
     return ()  # norms' scales and other vectors: replicated, they are tiny
 

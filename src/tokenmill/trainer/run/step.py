@@ -161,7 +161,9 @@ def make_train_step(
             **({"guard": window} if window is not None else {}),
         }
 
-        assignments = tokens.shape[0] * (tokens.shape[1] - 1) * m.top_k
+        # A float: the reference run's step routes 11,264 x 4,096 x 8 copies in each of 48 layers, 1.8e10,
+        # past int32, which a Python int in a traced expression becomes.
+        assignments = float(tokens.shape[0] * (tokens.shape[1] - 1) * m.top_k)
         metrics = {
             "loss": loss,
             "objective": total_loss,
