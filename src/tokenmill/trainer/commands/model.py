@@ -1,9 +1,10 @@
 """`tokenmill model info` and `tokenmill model compile`: what a model shape (configs/models/*.yaml) counts and
 computes, and whether one train step of it fits a device, found ahead of time on simulated devices.
 
-The compile itself is tokenmill.trainer.run.compile; here are the flags, the simulated devices (XLA_FLAGS set
-before JAX starts, or the command re-run in a fresh process when JAX has started with other devices) and
-the printed report.
+The compile itself is tokenmill.trainer.run.compile, and `model compile --search`'s choice of a layout
+(every mesh and microbatch count, ranked by estimated step time) is tokenmill.trainer.run.layouts; here are
+the flags, the simulated devices (XLA_FLAGS set before JAX starts, or the command re-run in a fresh process
+when JAX has started with other devices) and the printed reports.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 
 from tokenmill.errors import UsageError
+from tokenmill.trainer.run.layouts import DEFAULT_MAX_MICROBATCHES, mesh_text
 from tokenmill.units import format_bytes, format_count, format_duration, parse_count
 
 
@@ -49,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "state kept in pinned host memory), XLA's FLOPs per step summed over devices next to the model's "
         "own count, the bytes per device the step's collectives move by what they serve with their time "
         "at --link-bandwidth against the compute at --mfu, the compile time, and whether it fits "
-        "--device-memory. See docs/trainer.md.",
+        "--device-memory. With --search, every mesh of the devices is compiled at growing microbatch counts "
+        "until it fits, and the layouts that fit are ranked by estimated step time. See docs/trainer.md.",
     )
     compile_.add_argument("config", help="a model shape, e.g. configs/models/marin-535b-a23b.yaml")
     compile_.add_argument("--devices", type=int, required=True, help="simulated devices (the mesh's size)")
@@ -63,9 +66,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     compile_.add_argument(
         "--microbatches",
         type=int,
-        default=1,
         help="gradient accumulation (optimizer.microbatches): the batch runs as N microbatches of "
-        "batch-size/N sequences, then one update; activations shrink about N-fold",
+        "batch-size/N sequences, then one update; activations shrink about N-fold (default 1)",
+    )
+    compile_.add_argument(
+        "--search",
+        action="store_true",
+        help="compile every mesh of --devices (data x fsdp x expert) at microbatch counts 1, 2, 4, ... up to "
+        "--microbatches-max, each mesh until one fits, and rank the layouts that fit by estimated step time "
+        "(compute + communication); one compile per layout tried. Replaces --mesh and --microbatches",
+    )
+    compile_.add_argument(
+        "--microbatches-max",
+        type=int,
+        help=f"with --search: the most microbatches tried (default {DEFAULT_MAX_MICROBATCHES})",
     )
     compile_.add_argument(
         "--device-memory",
@@ -204,21 +218,35 @@ def _model_compile(args: argparse.Namespace) -> int:
     from tokenmill.trainer.model.shape import load_model_config
     from tokenmill.trainer.run.collectives import parse_link
 
+    if args.search:
+        given = [flag for flag, value in (("--mesh", args.mesh), ("--microbatches", args.microbatches))
+                 if value is not None]  # fmt: skip
+        if given:
+            raise UsageError(
+                f"{' and '.join(given)} with --search: the search tries every mesh of --devices and the "
+                "microbatch counts up to --microbatches-max; give one or the other"
+            )
+    if args.microbatches_max is not None and not args.search:
+        raise UsageError("--microbatches-max is the search's limit: give it with --search")
+    microbatches = 1 if args.microbatches is None else args.microbatches
+    max_microbatches = DEFAULT_MAX_MICROBATCHES if args.microbatches_max is None else args.microbatches_max
     try:
         cfg = load_model_config(args.config)
         device_memory = parse_bytes(args.device_memory)
-        mesh = parse_mesh_axes(args.mesh, args.devices)
+        mesh = None if args.search else parse_mesh_axes(args.mesh, args.devices)
         parse_link(args.link_bandwidth)
         peak_flops = parse_count(args.peak_flops) if args.peak_flops else None
     except ValueError as error:
         raise UsageError(str(error)) from error
     if not 0 < args.mfu <= 1 or peak_flops == 0:
         raise UsageError("--mfu must be in (0, 1] and --peak-flops positive")
-    if args.devices <= 0 or args.batch_size <= 0 or args.microbatches <= 0:
-        raise UsageError("--devices, --batch-size and --microbatches must be positive")
-    if args.batch_size % (args.devices * args.microbatches):
+    if args.devices <= 0 or args.batch_size <= 0 or microbatches <= 0 or max_microbatches <= 0:
+        raise UsageError("--devices, --batch-size, --microbatches and --microbatches-max must be positive")
+    if args.search:
+        return _model_compile_search(args, cfg, device_memory, max_microbatches, peak_flops)
+    if args.batch_size % (args.devices * microbatches):
         raise UsageError(
-            f"--batch-size {args.batch_size} does not split into {args.microbatches} microbatches over "
+            f"--batch-size {args.batch_size} does not split into {microbatches} microbatches over "
             f"{args.devices} devices"
         )
     if not _simulated_devices_ready(args.devices):
@@ -235,7 +263,7 @@ def _model_compile(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         optimizer_state=args.optimizer_state,
         compute_dtype=args.compute_dtype,
-        microbatches=args.microbatches,
+        microbatches=microbatches,
         link=args.link_bandwidth,
         mfu=args.mfu,
         peak_flops=peak_flops,
@@ -244,6 +272,41 @@ def _model_compile(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_compile_report(report))
+    return 0
+
+
+def _model_compile_search(
+    args: argparse.Namespace, cfg: object, device_memory: int, max_microbatches: int, peak_flops: float | None
+) -> int:
+    """`model compile --search`: the candidate layouts compiled and ranked (run/layouts.py); a usage error,
+    before JAX starts, when no mesh of the devices can run the step at all."""
+    from tokenmill.trainer.run.layouts import candidate_layouts, search_layouts
+
+    candidates, refused = candidate_layouts(cfg, args.devices, args.batch_size, max_microbatches)
+    if not candidates:
+        reasons = sorted({item.reason for item in refused})
+        raise UsageError(f"no mesh of {args.devices} devices can run this step: " + "; ".join(reasons))
+    if not _simulated_devices_ready(args.devices):
+        return _rerun_with_devices(args)
+    result = search_layouts(
+        cfg,
+        args.devices,
+        args.batch_size,
+        args.sequence_length,
+        device_memory,
+        max_microbatches=max_microbatches,
+        remat=args.remat,
+        optimizer=args.optimizer,
+        optimizer_state=args.optimizer_state,
+        compute_dtype=args.compute_dtype,
+        link=args.link_bandwidth,
+        mfu=args.mfu,
+        peak_flops=peak_flops,
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_layout_search(result))
     return 0
 
 
@@ -272,15 +335,16 @@ def _rerun_with_devices(args: argparse.Namespace) -> int:
     argv = ["model", "compile", args.config, "--devices", str(args.devices),
             "--batch-size", str(args.batch_size), "--device-memory", args.device_memory,
             "--optimizer-state", args.optimizer_state, "--compute-dtype", args.compute_dtype,
-            "--microbatches", str(args.microbatches), "--link-bandwidth", args.link_bandwidth,
-            "--mfu", str(args.mfu)]  # fmt: skip
+            "--link-bandwidth", args.link_bandwidth, "--mfu", str(args.mfu)]  # fmt: skip
     for flag, value in (("--mesh", args.mesh), ("--sequence-length", args.sequence_length),
-                        ("--remat", args.remat), ("--optimizer", args.optimizer),
-                        ("--peak-flops", args.peak_flops)):  # fmt: skip
+                        ("--microbatches", args.microbatches), ("--remat", args.remat),
+                        ("--optimizer", args.optimizer), ("--peak-flops", args.peak_flops),
+                        ("--microbatches-max", args.microbatches_max)):  # fmt: skip
         if value is not None:
             argv += [flag, str(value)]
-    if args.json:
-        argv.append("--json")
+    for flag, given in (("--search", args.search), ("--json", args.json)):
+        if given:
+            argv.append(flag)
     env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     done = subprocess.run([sys.executable, "-m", "tokenmill", *argv], env=env, check=False)
     return done.returncode
@@ -331,19 +395,21 @@ def format_compile_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def duration(seconds: float) -> str:
+    """A time of up to hours in the unit that reads best: 36.2 ms, 1.07 s, 2m 05s."""
+    if seconds >= 100:
+        return format_duration(seconds)
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+
+
 def format_communication(comm: dict) -> list[str]:
     """The lines of `format_compile_report` on what the step's collectives move and how long it takes."""
     moved, seconds, link = comm["bytes_per_device"], comm["communication_seconds"], comm["link"]
 
     def listed(values: dict, show) -> str:
         return ", ".join(f"{key} {show(value)}" for key, value in values.items() if key != "total" and value)
-
-    def duration(seconds: float) -> str:
-        if seconds >= 100:
-            return format_duration(seconds)
-        if seconds >= 1:
-            return f"{seconds:.2f} s"
-        return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
     where = f"{link['preset']}, {link['description']}" if link["preset"] else "as given"
     ratio = comm["communication_over_compute"]
@@ -403,3 +469,93 @@ def format_communication(comm: dict) -> list[str]:
             + (" (XLA combined several ops into it; the line is one's)" if entry.get("combined") else "")
         )
     return lines
+
+
+# Communication categories in the search's table, with their column headings (run/collectives.py's order).
+_SEARCH_COLUMNS = {"expert_dispatch": "dispatch", "weight_gather": "gathers", "gradient_reduction": "grads",
+                   "optimizer": "optimizer", "other": "other"}  # fmt: skip
+
+
+def format_layout_search(result: dict) -> str:
+    """The human-readable form of run.layouts.search_layouts's dict: the fitting layouts ranked by estimated
+    step time in a table, then the meshes that fit at no microbatch count, the refused and the failed."""
+    link = result["link"] or {}
+    fitting = [entry for entry in result["candidates"] if entry["fits"]]
+    where = link.get("preset") or f"{link.get('bandwidth_bytes_per_second', 0) / 1e9:.0f} GB/s"
+    # One unit for every time in the table, the one that reads best for the slowest step.
+    unit, scale = _time_unit(max((entry["step_seconds"] for entry in fitting), default=1.0))
+    lines = [
+        f"{result['model']}: {len(fitting)} of {len(result['candidates'])} layouts compiled fit "
+        f"{format_bytes(result['device_memory'])} per device: {result['devices']} devices, "
+        f"{result['batch_size']:,} x {result['sequence_length']:,} tokens, {result['optimizer_state']} "
+        f"optimizer state, {result['compute_dtype']} compute; {result['compiles']} compiles in "
+        f"{duration(result['search_seconds'])}",
+    ]
+    if link:
+        lines.append(
+            f"  times in {unit} per step: communication at "
+            f"{link['bandwidth_bytes_per_second'] / 1e9:.0f} GB/s ({where}), compute at {link['mfu']:.0%} "
+            f"MFU of {link['peak_flops_per_device']:.3g} FLOP/s; "
+            "step = compute + communication (no overlap, an upper bound), overlapped = the larger"
+        )
+    header = ["rank", "mesh (data,fsdp,expert)", "microbatches", "dispatch", "total/device", "margin",
+              *_SEARCH_COLUMNS.values(), "comm", "compute", "step", "overlapped"]  # fmt: skip
+    rows = []
+    for entry in fitting:
+        seconds = entry["communication_seconds"]
+        mesh = entry["mesh"]
+        rows.append([
+            str(entry["rank"]), f"{mesh['data']},{mesh['fsdp']},{mesh['expert']}", str(entry["microbatches"]),
+            entry["dispatch"], format_bytes(entry["bytes_per_device_total"]),
+            format_bytes(entry["margin_bytes"]),
+            *(f"{seconds.get(key, 0.0) / scale:,.1f}" for key in _SEARCH_COLUMNS),
+            f"{seconds['total'] / scale:,.1f}", f"{entry['compute_seconds'] / scale:,.1f}",
+            f"{entry['step_seconds'] / scale:,.1f}", f"{entry['step_seconds_overlapped'] / scale:,.1f}",
+        ])  # fmt: skip
+    if rows:
+        widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
+        # Text columns left-aligned, numbers right-aligned.
+        left = {0, 1, 3}
+        for row in [header, *rows]:
+            cells = [cell.ljust(width) if i in left else cell.rjust(width)
+                     for i, (cell, width) in enumerate(zip(row, widths, strict=True))]  # fmt: skip
+            lines.append("  " + "  ".join(cells).rstrip())
+        best = result["best"]
+        lines.append(f"  best: --mesh {mesh_text(best['mesh'])} --microbatches {best['microbatches']}")
+    else:
+        lines.append("  no layout fits: the closest are listed below")
+    fitted_meshes = {mesh_text(entry["mesh"]) for entry in fitting}
+    # The compiles that did not fit, by mesh: those of meshes that fit at a larger count, then the rest.
+    over: dict[str, list[dict]] = {}
+    for entry in result["candidates"]:
+        if not entry["fits"]:
+            over.setdefault(mesh_text(entry["mesh"]), []).append(entry)
+    never = f"fit at no microbatch count tried (up to {result['max_microbatches']})"
+    for heading, fitted in (("did not fit before a larger count did", True), (never, False)):
+        names = [name for name in over if (name in fitted_meshes) == fitted]
+        if names:
+            lines.append(f"  {heading}:")
+        for name in names:
+            totals = ", ".join(
+                f"{entry['microbatches']}: {format_bytes(entry['bytes_per_device_total'])}"
+                for entry in sorted(over[name], key=lambda entry: entry["microbatches"])
+            )
+            lines.append(f"    {name}: total per device by microbatches {totals}")
+    if result["refused"]:
+        lines.append("  refused before compiling:")
+        lines += [f"    {mesh_text(item['mesh'])}: {item['reason']}" for item in result["refused"]]
+    if result["failed"]:
+        lines.append("  failed to compile:")
+        lines += [
+            f"    {mesh_text(item['mesh'])} at {item['microbatches']} microbatches: {item['error']}"
+            for item in result["failed"]
+        ]
+    return "\n".join(lines)
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    """The unit in which `seconds` reads as at least 10 of it: s, ms or us, with its size in seconds."""
+    for name, scale in (("s", 1.0), ("ms", 1e-3)):
+        if seconds >= 10 * scale:
+            return name, scale
+    return "us", 1e-6

@@ -8,11 +8,11 @@ docs/trainer.md, "Counting parameters and compute".
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tokenmill.trainer.model import hlo
 from tokenmill.trainer.model.shape import ModelConfig
 
 
@@ -259,101 +259,20 @@ def xla_flops(compiled: Any) -> tuple[float, float]:
     device.
 
     XLA's HloCostAnalysis counts a while loop's body once, whatever its trip count, so a scanned model's
-    layers would count as one group. The second figure adds, for each while loop with a known trip count,
-    (trips - 1) x the matmul FLOPs of its body (nested loops multiply), read from the compiled HLO: the
-    matmuls are the FLOPs that matter, the body's elementwise work is counted once as XLA does.
+    layers would count as one group. The second figure adds, for each while loop whose trip count the HLO
+    gives (XLA's known_trip_count, else the loop's induction bound: model/hlo.py), (trips - 1) x the matmul
+    FLOPs of its body (nested loops multiply; a conditional by its heaviest branch), read from the compiled
+    HLO: the matmuls are the FLOPs that matter, the body's elementwise work is counted once as XLA does.
     """
     analysis = compiled.cost_analysis()
     if isinstance(analysis, list):  # older JAX: one dict per executable
         analysis = analysis[0]
     raw = float(analysis.get("flops", 0.0))
-    dots, calls = _hlo_dot_flops(compiled.as_text())
-    once = _weighted(dots, calls, per_trip=False)
-    per_trip = _weighted(dots, calls, per_trip=True)
-    return raw, raw + per_trip - once
+    module = hlo.parse_module(compiled.as_text())
+    dots = hlo.dot_flops(module)
 
+    def total(per_trip: bool) -> float:
+        runs, _ = hlo.multiplicities(module, lambda name: dots[name], per_trip=per_trip)
+        return sum(runs[name] * flops for name, flops in dots.items())
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPCODE = re.compile(r"^\s*([\w\-]+)\((.*)$")
-_SHAPE = re.compile(r"^[a-z0-9]+\[([0-9,]*)\]")
-_CALLEES = re.compile(
-    r"(calls|to_apply|body|branch_computations|called_computations)=\{?([^}),]+(?:,\s*%[\w.\-]+)*)"
-)
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"')
-
-
-def _hlo_dot_flops(text: str) -> tuple[dict[str, float], dict[str, list[tuple[str, int]]]]:
-    """Per computation of an HLO module's text: the FLOPs of its dot instructions (2 x output elements x
-    contracted size), and the computations it calls with their trip counts (a while body: its known trip
-    count; anything else: 1)."""
-    dots: dict[str, float] = {}
-    calls: dict[str, list[tuple[str, int]]] = {}
-    shapes: dict[str, list[int]] = {}
-    current = None
-    entry = None
-    for line in text.splitlines():
-        head = _COMPUTATION.match(line)
-        if head and not line.startswith(" "):
-            current = head.group(1)
-            if line.startswith("ENTRY"):
-                entry = current
-            dots.setdefault(current, 0.0)
-            calls.setdefault(current, [])
-            # Parameters declared in the signature: "name: f32[2,3]".
-            for name, dims in re.findall(r"([\w.\-]+):\s*[a-z0-9]+\[([0-9,]*)\]", line):
-                shapes[name] = [int(d) for d in dims.split(",") if d]
-            continue
-        instruction = _INSTRUCTION.match(line)
-        if current is None or not instruction:
-            continue
-        name, value = instruction.groups()
-        shape_text, after = _split_shape(value)
-        operation = _OPCODE.match(after)
-        if not operation:
-            continue
-        opcode, rest = operation.groups()
-        shape = _SHAPE.match(shape_text)
-        if shape:
-            shapes[name] = [int(d) for d in shape.group(1).split(",") if d]
-        if opcode == "dot" and shape:
-            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
-            lhs = shapes.get(operands[0]) if operands else None
-            if lhs is not None and contracting:
-                contracted = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
-                dots[current] += 2.0 * math.prod(shapes[name]) * contracted
-        trips = _TRIPS.search(rest)
-        for kind, names in _CALLEES.findall(rest):
-            for callee in re.findall(r"%?([\w.\-]+)", names):
-                calls[current].append((callee, int(trips.group(1)) if kind == "body" and trips else 1))
-    calls["__entry__"] = [(entry, 1)] if entry else []
-    return dots, calls
-
-
-def _split_shape(value: str) -> tuple[str, str]:
-    """'f32[2,3]{1,0} dot(...)' -> ('f32[2,3]{1,0}', ' dot(...)'); a tuple shape '(s32[], f32[2]) while(...)'
-    is taken whole, up to its closing parenthesis."""
-    if value.startswith("("):
-        depth = 0
-        for index, char in enumerate(value):
-            depth += {"(": 1, ")": -1}.get(char, 0)
-            if depth == 0:
-                return value[: index + 1], value[index + 1 :]
-        return value, ""
-    shape, _, after = value.partition(" ")
-    return shape, after
-
-
-def _weighted(dots: dict[str, float], calls: dict[str, list[tuple[str, int]]], per_trip: bool) -> float:
-    """The entry computation's dot FLOPs with callees included, loop bodies once or once per trip."""
-    memo: dict[str, float] = {}
-
-    def cost(name: str) -> float:
-        if name not in memo:
-            memo[name] = dots.get(name, 0.0) + sum(
-                (trips if per_trip else 1) * cost(callee) for callee, trips in calls.get(name, [])
-            )
-        return memo[name]
-
-    return cost("__entry__")
+    return raw, raw + total(per_trip=True) - total(per_trip=False)
