@@ -87,6 +87,22 @@ def run_tokenmill(
     return result
 
 
+def run_on_simulated_devices(script: str, *args: str, devices: int = 8, timeout: float = 600) -> dict:
+    """Run a Python script in a fresh process whose JAX starts with `devices` simulated CPU devices (XLA
+    reads the count when JAX is first imported, which this process may have done already), and return the
+    JSON it prints on its line starting with "RESULT ", with the process's stderr under "stderr" (what JAX
+    warned). Unoptimised CPU code generation: these programs run once on tiny shapes, and compiling them at
+    LLVM's default level took twice the time."""
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    return {**json.loads(line.removeprefix("RESULT ")), "stderr": done.stderr}
+
+
 def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every file below root, by relative path: for byte-for-byte comparisons of outputs."""
     return {

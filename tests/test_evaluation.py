@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import run_on_simulated_devices
 from test_heldout import write_rows
 from test_tokenize import WORDS
 
@@ -336,18 +337,7 @@ print("RESULT " + json.dumps(result))
 
 
 def test_a_mesh_scores_what_one_device_scores():
-    import os
-    import subprocess
-    import sys
-
-    # Unoptimised CPU code generation (as in test_expert_parallel.py): four programs that run once each.
-    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", MESH_SCRIPT % str(TINY)], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    result = json.loads(line.removeprefix("RESULT "))
+    result = run_on_simulated_devices(MESH_SCRIPT % str(TINY))  # four programs that run once each
     assert result["(2, 2, 2)/compiled"] == {"dropless": 1, "capacity": 1}
     single, sharded = result["(1, 1, 1)"], result["(2, 2, 2)"]
     assert [r[:2] for r in single] == [r[:2] for r in sharded] and len(single) == 10

@@ -7,13 +7,10 @@ test_trainer_multidevice.py) and prints its measurements as one JSON line; the a
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import run_on_simulated_devices
 
 COMMON = textwrap.dedent(
     """
@@ -84,24 +81,8 @@ COMMON = textwrap.dedent(
 
 def run_script(*parts: str) -> dict:
     """Run COMMON + parts on 8 simulated CPU devices; the parts fill `result`, printed as one JSON line."""
-    # Unoptimised CPU code generation: these programs run once on tiny shapes, and compiling them at
-    # LLVM's default level took twice the time.
-    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     script = COMMON + "result = {}\n" + "".join(parts) + 'print("RESULT " + json.dumps(result))\n'
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    result = json.loads(line.removeprefix("RESULT "))
-    result["stderr"] = done.stderr
-    return result
+    return run_on_simulated_devices(script)
 
 
 EQUALITY = """

@@ -17,12 +17,10 @@ one test per mesh and dispatch so that a failure names them.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import run_on_simulated_devices
 
 from tokenmill.trainer.model.shape import ModelConfig
 from tokenmill.trainer.run.layouts import candidate_layouts
@@ -126,21 +124,7 @@ SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def measured() -> dict:
     """One subprocess for every mesh: importing jax and compiling dominate the time."""
-    # Unoptimised CPU code generation (as in test_expert_parallel.py): eleven small programs run once each.
-    flags = f"--xla_force_host_platform_device_count={DEVICES} --xla_backend_optimization_level=0"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    argument = json.dumps([SHAPE, DEVICES, BATCH, DISPATCHES])
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, argument],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    return run_on_simulated_devices(SCRIPT, json.dumps([SHAPE, DEVICES, BATCH, DISPATCHES]), devices=DEVICES)
 
 
 def test_every_mesh_of_eight_devices_is_a_candidate_and_was_run(measured):

@@ -205,6 +205,7 @@ def run_compile(*arguments: str) -> dict:
     return report
 
 
+@pytest.mark.slow  # make test-slow: seven compiles, about 40 s on 2 cores (the ranking is tested above)
 def test_search_on_eight_devices_ranks_what_fits_and_agrees_with_a_plain_compile(tmp_path):
     config = tmp_path / "search-tiny.yaml"
     config.write_text(yaml.safe_dump(SEARCH_SHAPE))

@@ -442,6 +442,7 @@ def test_bad_input_names_what_is_missing(corpus, tmp_path, capsys):
 # Real proxies
 
 
+@pytest.mark.slow  # make test-slow: about 50 s on 2 cores (test_launch_swarm.py: finished proxies skipped)
 def test_a_killed_swarm_resumes_without_rerunning_finished_proxies(corpus, tmp_path):
     swarm = tmp_path / "swarm"
     assert make_swarm(corpus, swarm, proxies=4) == 0

@@ -7,11 +7,9 @@ so the comparison runs in a fresh Python process with XLA_FLAGS set before the i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
+
+from conftest import run_on_simulated_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -55,16 +53,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_eight_devices_match_one_device():
-    # Unoptimised CPU code generation (as in test_expert_parallel.py): five tiny train steps compiled to run
-    # three times each, where LLVM's default level spent most of the test's time compiling.
-    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    result = json.loads(line.removeprefix("RESULT "))
+    result = run_on_simulated_devices(SCRIPT)  # five tiny train steps compiled to run three times each
     # [layer repeats, experts, d_model, hidden]: the stacked layers' axis is not split.
     assert result["w_gate_spec"] == "P(None, 'expert', 'fsdp', None)"
     # The optimizer state in pinned host memory, brought to the devices a layer slice at a time, trains the
