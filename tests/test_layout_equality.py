@@ -37,7 +37,6 @@ SHAPE = dict(
 )  # fmt: skip
 DEVICES = 8
 BATCH = 16  # two rows per device
-DISPATCHES = ("capacity", "dropless")
 CANDIDATES, REFUSED = candidate_layouts(ModelConfig(**SHAPE), DEVICES, BATCH, max_microbatches=1)
 MESHES = [candidate.name for candidate in CANDIDATES]
 
@@ -121,10 +120,12 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def measured() -> dict:
-    """One subprocess for every mesh: importing jax and compiling dominate the time."""
-    return run_on_simulated_devices(SCRIPT, json.dumps([SHAPE, DEVICES, BATCH, DISPATCHES]), devices=DEVICES)
+# The reference run trains with capacity; dropless (what it evaluates with) on every mesh is the slow half.
+@pytest.fixture(scope="module", params=["capacity", pytest.param("dropless", marks=pytest.mark.slow)])
+def measured(request) -> dict:
+    """One subprocess for every mesh, per dispatch: importing jax and compiling dominate the time."""
+    arguments = json.dumps([SHAPE, DEVICES, BATCH, [request.param]])
+    return {"dispatch": request.param, **run_on_simulated_devices(SCRIPT, arguments, devices=DEVICES)}
 
 
 def test_every_mesh_of_eight_devices_is_a_candidate_and_was_run(measured):
@@ -133,11 +134,10 @@ def test_every_mesh_of_eight_devices_is_a_candidate_and_was_run(measured):
     assert sorted(measured["meshes"]) == sorted(MESHES)
 
 
-@pytest.mark.parametrize("dispatch", DISPATCHES)
 @pytest.mark.parametrize("mesh", MESHES)
-def test_loss_and_gradients_on_the_mesh_equal_one_device(measured, mesh, dispatch):
+def test_loss_and_gradients_on_the_mesh_equal_one_device(measured, mesh):
     result = measured["meshes"][mesh]
-    got = result[dispatch]
+    got = result[measured["dispatch"]]
     sizes = dict(part.split("=") for part in mesh.split(","))
     loss, loss_0 = got["loss"]
     objective, objective_0 = got["objective"]
@@ -154,6 +154,6 @@ def test_loss_and_gradients_on_the_mesh_equal_one_device(measured, mesh, dispatc
     if int(sizes["fsdp"]) > 1 or int(sizes["expert"]) > 1:
         assert result["split_params"] > 0, result
     if int(sizes["expert"]) > 1:
-        assert result["all_to_all"] >= 4 * len(DISPATCHES), result
+        assert result["all_to_all"] >= 4, result
     else:
         assert result["all_to_all"] == 0, result
