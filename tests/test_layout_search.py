@@ -326,3 +326,11 @@ def test_search_on_the_first_rung():
     assert steps == sorted(steps)
     # Every mesh computes the same MFU-counted FLOPs on the same devices: the ranking is the communication's.
     assert len({round(entry["compute_seconds"], 12) for entry in fitting}) == 1
+
+
+def test_the_search_names_the_axes_the_mesh_has():
+    # layouts.AXES is sharding.AXES without JAX (the command line reads meshes before JAX starts).
+    from tokenmill.trainer.model.sharding import AXES
+    from tokenmill.trainer.run import layouts
+
+    assert layouts.AXES == AXES

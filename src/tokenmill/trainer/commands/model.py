@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from tokenmill.errors import UsageError
-from tokenmill.trainer.run.layouts import DEFAULT_MAX_MICROBATCHES, mesh_text
+from tokenmill.trainer.run.layouts import AXES, DEFAULT_MAX_MICROBATCHES, mesh_text
 from tokenmill.units import format_bytes, format_count, format_duration, parse_count
 
 
@@ -178,7 +178,6 @@ def _model_info(args: argparse.Namespace) -> int:
 
 _BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
-_AXES = ("data", "fsdp", "expert")
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -194,12 +193,12 @@ def parse_mesh_axes(text: str | None, devices: int) -> dict[str, int]:
     """'fsdp=8,expert=8' -> {data: 1, fsdp: 8, expert: 8}; their product must be the device count."""
     if not text:
         return {"data": 1, "fsdp": devices, "expert": 1}
-    sizes = dict.fromkeys(_AXES, 1)
+    sizes = dict.fromkeys(AXES, 1)
     for part in text.split(","):
         name, _, value = part.partition("=")
         name = name.strip()
-        if name not in _AXES or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"--mesh {text!r}: expected AXIS=SIZE pairs with axes {', '.join(_AXES)}")
+        if name not in AXES or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"--mesh {text!r}: expected AXIS=SIZE pairs with axes {', '.join(AXES)}")
         sizes[name] = int(value)
     free = [name for name, size in sizes.items() if size == -1]
     if len(free) > 1 or any(size == 0 or size < -1 for size in sizes.values()):

@@ -16,7 +16,7 @@ from typing import Any
 from tokenmill.trainer.model import expert_parallel
 from tokenmill.trainer.model.flops import count_params, flops_per_token, per_token_gate_matrices, xla_flops
 from tokenmill.trainer.model.moe import expert_capacity
-from tokenmill.trainer.model.sharding import batch_sharding, make_mesh
+from tokenmill.trainer.model.sharding import AXES, batch_sharding, make_mesh
 from tokenmill.trainer.model.transformer import block_size
 from tokenmill.trainer.run import optim
 from tokenmill.trainer.run.collectives import (
@@ -31,7 +31,6 @@ from tokenmill.trainer.run.collectives import (
 from tokenmill.trainer.run.config import Phase, RunConfig, resolve_run_config
 from tokenmill.trainer.run.step import compile_train_step
 
-_AXES = ("data", "fsdp", "expert")
 # How far XLA's FLOP count may be from the model's count of the executed step before the report flags it.
 FLOPS_TOLERANCE = 0.25
 
@@ -82,7 +81,7 @@ def compile_report(
         optimizer={"kind": optimizer, "state_memory": optimizer_state, "microbatches": microbatches},
     )
     resolved = resolve_run_config(run, phases)
-    mesh = make_mesh(tuple(mesh_axes[axis] for axis in _AXES))
+    mesh = make_mesh(tuple(mesh_axes[axis] for axis in AXES))
     with jax.set_mesh(mesh):
         init_fn, step_fn, shardings = compile_train_step(resolved, mesh)
         state = jax.tree.map(

@@ -33,6 +33,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+#: The mesh's axes in model/sharding.py's order (its AXES), here without importing JAX: the command line
+#: reads and prints meshes before JAX starts.
 AXES = ("data", "fsdp", "expert")
 DEFAULT_MAX_MICROBATCHES = 16
 
