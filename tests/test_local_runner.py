@@ -8,7 +8,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.util import assert_that, equal_to
 
-from tokenmill.pipelines.local_runner import BoundedBundleFnApiRunner
+from tokenmill.pipelines.local_runner import BUNDLES_PER_WORKER, BoundedBundleFnApiRunner
 
 #: Elements of about 200 encoded bytes: a 4 KiB bound holds about 20 of them.
 PAYLOAD = "x" * 190
@@ -85,6 +85,17 @@ def test_beams_own_runner_sends_each_worker_its_whole_share():
 def test_a_small_stage_still_spreads_over_every_worker_and_empty_input_runs():
     sizes = _run(BoundedBundleFnApiRunner(max_bundle_bytes=MAX_BUNDLE_BYTES), elements=4, keys=2)
     assert sum(sizes["read"]) == 4 and sizes["grouped"] and sum(sizes["grouped"]) == 2
+
+
+def test_a_stage_under_the_bound_is_cut_so_that_a_worker_done_early_takes_more():
+    """A stage waits for its slowest worker: with one bundle per worker, one that finishes first idles for
+    the rest; each worker gets about BUNDLES_PER_WORKER bundles, cut between elements, under the bound too."""
+    sizes = _run(BoundedBundleFnApiRunner(max_bundle_bytes=64 << 20), elements=400, keys=400)
+    assert sum(sizes["read"]) == 400
+    assert len(sizes["read"]) >= 2 * BUNDLES_PER_WORKER and max(sizes["read"]) <= 400 // BUNDLES_PER_WORKER
+    # 16 file names of a few bytes each: 8 bundles of 2 for 2 workers, not 2 of 8.
+    sizes = _run(BoundedBundleFnApiRunner(max_bundle_bytes=64 << 20), elements=16, keys=16)
+    assert len(sizes["read"]) == 2 * BUNDLES_PER_WORKER and max(sizes["read"]) <= 2
 
 
 def test_the_bound_must_be_positive():

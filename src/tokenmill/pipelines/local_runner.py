@@ -7,8 +7,9 @@ starts: a worker holds 1/W of the stage's input at once (a probe saw 4-6 MiB mes
 20-30 MiB at 20k), and glibc keeps the freed buffers, so the worker's peak grows with the corpus.
 Dataflow workers read bundles of bounded size instead. Here each stage's input is cut into bundles of at
 most `max_bundle_bytes` (encoded; 8 MiB by default, about 3,000 web documents: per-bundle costs vanish,
-and a stage of 10k documents already fills its bundles), as many as that takes and at least one per
-worker, and every worker process runs one bundle at a time, taking the next one when it is free. The
+and a stage of 10k documents already fills its bundles), as many as that takes and at least
+BUNDLES_PER_WORKER per worker where there are as many elements, and every worker process runs one bundle
+at a time, taking the next one when it is free. The
 runner (the launcher process) still holds every stage's input and output, as before: it is this runner's
 shuffle, what Dataflow's shuffle service holds on Dataflow.
 
@@ -39,6 +40,10 @@ from apache_beam.runners.portability.fn_api_runner.fn_runner import (
 
 #: The most encoded input bytes one bundle sends a worker (a stage's input is cut into as many bundles).
 MAX_BUNDLE_BYTES = 8 << 20
+#: A stage's input is cut into at least this many bundles per worker (where it has as many elements): a
+#: stage waits for its slowest worker, and with one bundle per worker a worker that finishes first idles
+#: for the rest; with four, at most about a quarter of one bundle's time.
+BUNDLES_PER_WORKER = 4
 #: A GroupByKey's output is first cut into parts of about this many values, then parts are packed into
 #: bundles of at most MAX_BUNDLE_BYTES (its grouped values are only encoded when it is cut).
 GROUPED_VALUES_PER_PART = 1024
@@ -129,10 +134,12 @@ class BoundedParallelBundleManager(ParallelBundleManager):
 
     def _bundles(self, inputs: Mapping[str, execution.PartitionableBuffer]) -> list[dict[str, list[bytes]]]:
         workers = self._num_workers
-        pieces = [(name, piece) for name, buffer in inputs.items() for piece in self._pieces(buffer, workers)]
+        wanted = workers * BUNDLES_PER_WORKER
+        pieces = [(name, piece) for name, buffer in inputs.items() for piece in self._pieces(buffer, wanted)]
         total = sum(len(piece) for _, piece in pieces)
-        # Small inputs still spread over every worker; large ones in bundles of at most max_bundle_bytes.
-        target = max(1, min(self.max_bundle_bytes, -(-total // workers)))
+        # Small inputs still spread over every worker, in a few bundles each so that a worker done early
+        # takes more; large ones in bundles of at most max_bundle_bytes.
+        target = max(1, min(self.max_bundle_bytes, -(-total // wanted)))
         bundles: list[dict[str, list[bytes]]] = []
         size = target
         for name, piece in pieces:
