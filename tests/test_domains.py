@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import random
 import re
 import sysconfig
@@ -23,7 +24,7 @@ from conftest import REPO, run_tokenmill
 from tokenmill.domains.clustering import coarsen, normalize_rows, spherical_kmeans, ward_merges
 from tokenmill.domains.model import DomainsError, load_domain_model
 from tokenmill.domains.stage import DomainClusters
-from tokenmill.domains.train import DomainSettings, train_domains
+from tokenmill.domains.train import DomainSettings, FastTextSettings, train_domains
 from tokenmill.formats.domains import CARD, read_domains_card
 from tokenmill.pipelines.recipe import Recipe, RecipeError, load_recipe
 
@@ -157,6 +158,22 @@ def test_the_fit_is_deterministic_and_the_seed_matters(planted, tmp_path):
     assert np.array_equal(first.labels, second.labels) and np.array_equal(first.centroids, second.centroids)
     other = spherical_kmeans(vectors, 10, seed=2)
     assert not np.array_equal(first.centroids, other.centroids)
+
+
+def test_a_diverged_training_runs_again_at_half_the_learning_rate(planted, tmp_path, caplog):
+    root = planted[0]
+    # cbow on this sample diverges at lr >= 1 and trains at 0.5 (measured); 1.6 halves three times at most.
+    steep = DomainSettings(k=12, domains=3, min_share=0.05, fasttext=FastTextSettings(epoch=5, lr=1.6))
+    with caplog.at_level(logging.WARNING, logger="tokenmill.domains.train"):
+        card = train_domains([str(root / "planted.jsonl")], str(tmp_path / "steep"), steep)
+    halvings = [r.getMessage() for r in caplog.records if "diverged (NaN)" in r.getMessage()]
+    assert halvings and "at lr 1.6 on the sample; training again at lr 0.8" in halvings[0]
+    assert card.embedding.parameters["lr"] == pytest.approx(1.6 / 2 ** len(halvings))
+    assert len(card.domains) == 3
+    hopeless = DomainSettings(k=12, domains=3, fasttext=FastTextSettings(epoch=5, lr=800.0))
+    with pytest.raises(DomainsError, match=r"at lr 100 \(Encountered NaN.\)"):
+        train_domains([str(root / "planted.jsonl")], str(tmp_path / "hopeless"), hopeless)
+    assert not (tmp_path / "hopeless" / CARD).exists()
 
 
 def test_an_external_embedding_is_used_where_it_is(planted, tmp_path):

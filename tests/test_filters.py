@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import json
+import subprocess
+import sys
+import types
 
 import pyarrow.compute as pc
 import pytest
@@ -162,6 +166,44 @@ def test_shared_word_splitting_does_not_grow_the_vocabulary_with_the_corpus():
     # 40,000 distinct words were split: the permanent ones, plus at most the batch that crossed the bound.
     assert 3000 <= grown < 3000 + 2000
     assert not words.permanent()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="torch is not installed: nothing to hide"
+)
+def test_spacy_loads_without_importing_torch_and_torch_still_imports_after(tmp_path):
+    """thinc imports torch whenever it is installed (2.6 CPU-s of each worker's start); word splitting
+    needs none of it. In a fresh process, as in a worker: no torch after spaCy loads, and torch imports
+    normally afterwards."""
+    script = (
+        "import sys\n"
+        "from tokenmill.filters.heuristics import shared_word_tokenizer\n"
+        "words = shared_word_tokenizer('en')\n"
+        "assert words.word_tokenize('Two words.') == ['Two', 'words', '.']\n"
+        "assert 'torch' not in sys.modules, 'spaCy imported torch'\n"
+        "import thinc.compat\n"
+        "assert not thinc.compat.has_torch\n"
+        "import torch\n"
+        "assert torch.zeros(2).sum().item() == 0.0\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, timeout=120)
+
+
+def test_spacy_keeps_torch_when_it_was_loaded_first():
+    """A process that already uses torch (a training job) keeps thinc's torch support: nothing is hidden."""
+    from tokenmill.filters.heuristics import torch_hidden
+
+    marker = object()
+    saved = sys.modules.get("torch", marker)
+    sys.modules["torch"] = types.ModuleType("torch")
+    try:
+        with torch_hidden():
+            assert sys.modules["torch"] is not None
+    finally:
+        if saved is marker:
+            del sys.modules["torch"]
+        else:
+            sys.modules["torch"] = saved
 
 
 def _tricky_texts() -> list[str]:

@@ -74,6 +74,9 @@ PREVIEW_CHARS = 300
 
 EPOCH_TOKENS = 1_000_000
 EPOCH_RANGE = (5, 50)
+#: A word-vector training that diverges (NaN) is run again at half the learning rate, this many times;
+#: the card records the lr that trained the vectors.
+DIVERGED_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -217,13 +220,23 @@ def _train_fasttext(documents: list[SampledDocument], settings: DomainSettings, 
         parameters["epoch"] = min(
             max(math.ceil(EPOCH_TOKENS / max(tokens, 1)), EPOCH_RANGE[0]), EPOCH_RANGE[1]
         )
-    try:
-        return fasttext.train_unsupervised(corpus, thread=1, verbose=0, **parameters), parameters
-    except RuntimeError as error:
-        raise DomainsError(
-            f"fastText could not train word vectors on the sample ({error}); a larger --sample or another "
-            "--embedding helps"
-        ) from None
+    for attempt in range(DIVERGED_RETRIES + 1):
+        try:
+            return fasttext.train_unsupervised(corpus, thread=1, verbose=0, **parameters), parameters
+        except RuntimeError as error:
+            # fastText's only remedy for a diverged run is a lower learning rate (its authors' advice); a
+            # run is deterministic, so the same lr would diverge again.
+            if "NaN" not in str(error) or attempt == DIVERGED_RETRIES:
+                raise DomainsError(
+                    f"fastText could not train word vectors on the sample at lr {parameters['lr']:g} "
+                    f"({error}); a larger --sample or another --embedding helps"
+                ) from None
+            log.warning(
+                "domains: fastText diverged (NaN) at lr %g on the sample; training again at lr %g",
+                parameters["lr"],
+                parameters["lr"] / 2,
+            )
+            parameters["lr"] /= 2
 
 
 def distinctive_terms(

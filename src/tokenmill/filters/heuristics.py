@@ -27,9 +27,11 @@ Nothing downloads: these four filters need only spaCy's blank English pipeline, 
 
 from __future__ import annotations
 
+import sys
 import time
 from bisect import bisect_left
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from datatrove.data import Document
@@ -77,6 +79,26 @@ class _Split:
             self.attributes = None
 
 
+@contextmanager
+def torch_hidden() -> Iterator[None]:
+    """While spaCy loads, `import torch` fails, unless torch is already loaded.
+
+    spaCy imports thinc, and thinc imports torch whenever it is installed (it is in most training
+    environments): 2.6 CPU-s of a 4-second spaCy import, paid by every curate worker, for interop that
+    word splitting never uses. thinc then records that torch is absent, for this process only; torch
+    itself imports normally afterwards.
+    """
+    if "torch" in sys.modules or "thinc" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]  # Python's marker for "not importable"
+    try:
+        yield
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+
+
 class SharedWordTokenizer(WordTokenizer):
     """datatrove's spaCy word splitting, computed once per text and shared by every filter of a worker.
 
@@ -98,7 +120,8 @@ class SharedWordTokenizer(WordTokenizer):
                 f"shared word splitting supports spaCy languages; {language!r} uses "
                 f"{type(self._reference).__name__}"
             )
-        self._nlp = self._reference.tokenizer  # datatrove's blank spaCy pipeline with its sentencizer
+        with torch_hidden():
+            self._nlp = self._reference.tokenizer  # datatrove's blank spaCy pipeline with its sentencizer
         self._punct_chars = self._nlp.get_pipe("sentencizer").punct_chars
         from spacy.attrs import IDX, IS_PUNCT  # spaCy loads with the tokenizer, not with the recipe
 
