@@ -283,6 +283,7 @@ def test_bad_recipe_names_the_file_and_stage(tmp_path):
     assert "min_doc_wrds" in result.stderr
 
 
+@pytest.mark.slow  # half a minute of curate runs: make test-slow
 def test_a_killed_run_rerun_ends_like_a_clean_run(sample_run, tmp_path):
     clean, _ = sample_run
     output = tmp_path / "killed"

@@ -109,6 +109,7 @@ def gcs_rejected_rows(gcs: GcsEmulator, *parts: str) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow  # half a minute of curate runs: make test-slow
 def test_curate_and_tokenize_from_gs_to_gs_give_the_bytes_of_local_runs(
     gcs, web_sample_run, tmp_path, capsys
 ):

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import apache_beam as beam
+import pytest
 from apache_beam.internal import pickler
 from apache_beam.options.pipeline_options import WorkerOptions
 from conftest import SAMPLE, WEB_RECIPE, offline_env, run_tokenmill
@@ -31,6 +32,7 @@ sys.meta_path.insert(0, _NoTrainer())
 """
 
 
+@pytest.mark.slow  # half a minute of curate runs: make test-slow
 def test_curate_runs_with_the_network_blocked_and_without_the_trainer(tmp_path):
     env, log = offline_env(tmp_path)
     with open(Path(env["PYTHONPATH"]) / "sitecustomize.py", "a") as site:
