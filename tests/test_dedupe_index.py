@@ -152,6 +152,27 @@ def test_a_later_run_removes_its_copies_and_edits_of_an_earlier_run_naming_them(
     assert b_index.documents == len(_kept_ids(out_b))
 
 
+def test_index_shards_hold_to_the_recipe_target_file_bytes_and_store_the_same_rows(corpus):
+    """The index is written like every other output: shards sized for target_file_bytes (so a writer's
+    memory stays bounded however large the corpus), each sorted by id, and the stored rows (band keys and
+    compact signatures made from the signature the shuffle carried) equal those of a one-shard index."""
+    tmp_path, recipe, a, *_ = corpus
+    small = tmp_path / "recipe-small-files.yaml"
+    small.write_text(recipe.read_text().replace("name: dedupe\n", "name: dedupe\ntarget_file_bytes: 10000\n"))
+    assert _curate(small, tmp_path / "a" / "*.jsonl", str(tmp_path / "out-a-sharded")) == 0
+    sharded = tmp_path / "out-a-sharded" / index_format.INDEX_DIR
+    files = index_format.read_manifest(str(sharded)).runs[0].files
+    assert len(files) == 3  # ceil(40 rows x 700 bytes / 10,000)
+    rows = []
+    for entry in files:
+        shard = pq.read_table(sharded / entry.path).to_pylist()
+        assert [row["id"] for row in shard] == sorted(row["id"] for row in shard) and len(shard) == entry.rows
+        rows.extend(shard)
+    whole = tmp_path / "out-a" / index_format.INDEX_DIR
+    one_shard = pq.read_table(whole / index_format.read_manifest(str(whole)).runs[0].files[0].path)
+    assert sorted(rows, key=lambda row: row["id"]) == one_shard.to_pylist()
+
+
 @pytest.mark.slow  # the default suite's 15-minute budget; make test-slow runs it
 def test_merged_indexes_dedupe_a_third_run_against_both(corpus):
     tmp_path, recipe, a, copies, edits, new = corpus

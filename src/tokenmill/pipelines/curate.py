@@ -439,11 +439,12 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
     stage_stats_parts.append(finished["stats"])
     dedupes, minhash = index_params(steps)
     index_files = []
-    if dedupes and recipe.dedupe_index:  # what later runs dedupe against (--dedupe-against)
-        index_files.append(kept | "DedupeIndex" >> WriteDedupeIndex(run.output, recipe.name, minhash))
-    rejected = read.rejected
-
     target = recipe.target_file_bytes
+    if dedupes and recipe.dedupe_index:  # what later runs dedupe against (--dedupe-against)
+        index_files.append(
+            kept | "DedupeIndex" >> WriteDedupeIndex(run.output, recipe.name, minhash, shard_bytes=target)
+        )
+    rejected = read.rejected
 
     def write_documents(documents, key_label: str, write_label: str, partition, schema, to_row):
         """Documents as rows of `schema` in Parquet files under the folder `partition(document)` names."""
