@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import apache_beam as beam
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.util import assert_that, equal_to
 
-from tokenmill.pipelines.local_runner import BUNDLES_PER_WORKER, BoundedBundleFnApiRunner
+from tokenmill.pipelines.local_runner import (
+    BUNDLES_PER_WORKER,
+    WORKER_MALLOC_ARENAS,
+    BoundedBundleFnApiRunner,
+)
 
 #: Elements of about 200 encoded bytes: a 4 KiB bound holds about 20 of them.
 PAYLOAD = "x" * 190
@@ -101,3 +107,26 @@ def test_a_stage_under_the_bound_is_cut_so_that_a_worker_done_early_takes_more()
 def test_the_bound_must_be_positive():
     with pytest.raises(ValueError, match="max_bundle_bytes"):
         BoundedBundleFnApiRunner(max_bundle_bytes=0)
+
+
+def _worker_arenas(elements: int, expected: str) -> None:
+    """A pipeline on two worker processes: every element sees MALLOC_ARENA_MAX `expected` in a worker."""
+    launcher = os.getpid()
+    options = PipelineOptions(["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
+    with beam.Pipeline(runner=BoundedBundleFnApiRunner(), options=options) as pipeline:
+        seen = (
+            pipeline
+            | beam.Create(range(elements))
+            | beam.Map(lambda _: (os.environ.get("MALLOC_ARENA_MAX"), os.getpid() != launcher))
+        )
+        assert_that(seen, equal_to([(expected, True)] * elements))
+
+
+def test_worker_processes_start_with_two_malloc_arenas_unless_the_environment_says(monkeypatch):
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "unset by the test")
+    monkeypatch.delenv("MALLOC_ARENA_MAX")  # monkeypatch takes back what the runner sets
+    _worker_arenas(8, "2")
+    assert os.environ["MALLOC_ARENA_MAX"] == WORKER_MALLOC_ARENAS == "2"
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # the user's value is kept
+    _worker_arenas(8, "4")
+    assert os.environ["MALLOC_ARENA_MAX"] == "4"
