@@ -60,8 +60,11 @@ def run(
     if probe:
         group_probe(pipeline, "Clusters", tmp_path / "probe.json")
     for name in ("kept", "removed", "stats"):
+        collection = result[name]
+        if isinstance(collection, tuple):  # the removals come as one PCollection per part
+            collection = collection | f"Flatten{name}" >> beam.Flatten(pipeline=pipeline)
         (
-            result[name]
+            collection
             | f"List{name}" >> beam.combiners.ToList()
             | f"Dump{name}" >> beam.ParDo(_Dump(str(tmp_path / f"{name}.json")))
         )

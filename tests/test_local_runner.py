@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import apache_beam as beam
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.portability import python_urns
+from apache_beam.portability.api import beam_runner_api_pb2
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.util import assert_that, equal_to
 
 from tokenmill.pipelines.local_runner import (
+    BEAM_WORKER_COMMAND,
     BUNDLES_PER_WORKER,
+    WORKER_COMMAND,
     WORKER_MALLOC_ARENAS,
     BoundedBundleFnApiRunner,
+    pack_bundles,
+    use_tokenmill_worker,
 )
 
 #: Elements of about 200 encoded bytes: a 4 KiB bound holds about 20 of them.
@@ -130,3 +137,42 @@ def test_worker_processes_start_with_two_malloc_arenas_unless_the_environment_sa
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # the user's value is kept
     _worker_arenas(8, "4")
     assert os.environ["MALLOC_ARENA_MAX"] == "4"
+
+
+def test_bundles_shrink_toward_the_end_of_a_stage_and_keep_the_order_and_the_bound():
+    """Guided scheduling: a 1/wanted share of what is left per bundle, so the last ones are small."""
+    pieces = [("in", bytes([index % 256]) * 100) for index in range(96)]  # 9,600 bytes
+    bundles = pack_bundles(pieces, ["in"], wanted=8, max_bundle_bytes=1000)
+    sizes = [sum(len(piece) for piece in bundle["in"]) for bundle in bundles]
+    assert [piece for bundle in bundles for piece in bundle["in"]] == [piece for _, piece in pieces]
+    assert max(sizes) <= 1000 and sizes[0] == 1000  # 9,600 / 8 is over the bound
+    assert sizes == sorted(sizes, reverse=True) and sizes[-4:] == [100] * 4
+    assert len(bundles) < len(pieces) // 2
+    # Two inputs share bundles; a piece larger than the bound is a bundle of its own.
+    bundles = pack_bundles([("a", b"x" * 50), ("b", b"y" * 5000), ("a", b"z" * 50)], ["a", "b"], 2, 1000)
+    assert bundles == [
+        {"a": [b"x" * 50], "b": []},
+        {"a": [], "b": [b"y" * 5000]},
+        {"a": [b"z" * 50], "b": []},
+    ]
+
+
+def test_workers_run_tokenmills_worker_main_unless_the_pipeline_names_its_own():
+    launcher = os.getpid()
+    options = PipelineOptions(["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
+    with beam.Pipeline(runner=BoundedBundleFnApiRunner(), options=options) as pipeline:
+        seen = (
+            pipeline
+            | beam.Create(range(8))
+            | beam.Map(lambda _: (sys.modules["__main__"].__spec__.name, os.getpid() != launcher))
+        )
+        assert_that(seen, equal_to([("tokenmill.pipelines.local_worker", True)] * 8))
+    other = beam_runner_api_pb2.Environment(urn=python_urns.SUBPROCESS_SDK, payload=b"python -m my.worker")
+    beams = beam_runner_api_pb2.Environment(urn=python_urns.SUBPROCESS_SDK, payload=BEAM_WORKER_COMMAND)
+    proto = beam_runner_api_pb2.Pipeline()
+    proto.components.environments["other"].CopyFrom(other)
+    proto.components.environments["beams"].CopyFrom(beams)
+    use_tokenmill_worker(proto)
+    environments = proto.components.environments
+    assert environments["other"].payload == b"python -m my.worker"
+    assert environments["beams"].payload == WORKER_COMMAND

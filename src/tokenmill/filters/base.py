@@ -31,6 +31,12 @@ class DocumentStep(ABC):
     def setup(self) -> None:  # noqa: B027 - most steps need no set-up
         """Load models or tables; called once per worker before the first batch."""
 
+    def warm_up_calls(self) -> list[tuple[str, tuple[str, ...]]]:
+        """`module:function` calls, with string arguments, that do this step's per-process set-up ahead
+        of time: a local run's warm workers make them while the launcher builds the job
+        (tokenmill.pipelines.warm_workers), and `setup()` then finds their work done. None by default."""
+        return []
+
     @abstractmethod
     def apply(self, documents: list[dict]) -> list[Removal | None]:
         """Judge each document (annotating it in place if the step adds columns)."""
@@ -72,6 +78,9 @@ class DomainChains(DocumentStep):
         for chain in self.chains.values():
             for step in chain:
                 step.setup()
+
+    def warm_up_calls(self) -> list[tuple[str, tuple[str, ...]]]:
+        return [call for chain in self.chains.values() for step in chain for call in step.warm_up_calls()]
 
     def drain_stage_stats(self) -> dict[str, dict]:
         drained: dict[str, dict] = {}

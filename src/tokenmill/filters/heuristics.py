@@ -282,6 +282,12 @@ class HeuristicFilter(DocumentStep):
             language = self._words
         self._filter = datatrove_filter_class(self.kind)(language=language, **self.params)
 
+    def warm_up_calls(self) -> list[tuple[str, tuple[str, ...]]]:
+        calls = [("tokenmill.filters.heuristics:datatrove_filter_class", (self.kind,))]
+        if self.shared_words:
+            calls.append(("tokenmill.filters.heuristics:shared_word_tokenizer", (self.language,)))
+        return calls
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_filter": None, "_words": None}  # a copy sets up in its own process
 

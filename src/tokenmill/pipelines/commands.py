@@ -13,6 +13,7 @@ from tokenmill.errors import UsageError
 
 if TYPE_CHECKING:
     from tokenmill.formats.stats import CurateStats
+    from tokenmill.pipelines.warm_workers import WarmWorkers
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,22 @@ def check_output(output: str, overwrite: bool) -> list[str]:
 
 
 def run_curate(args: argparse.Namespace) -> int:
+    from tokenmill.pipelines.options import start_warm_workers
+
+    # First, before Beam is imported here: local workers start and import while this process builds the job.
+    warm_workers = start_warm_workers(args, CURATE_WORKER_MODULES)
+    try:
+        return _run_curate(args, warm_workers)
+    finally:
+        if warm_workers is not None:
+            warm_workers.close()
+
+
+#: What a curate worker imports (Beam's worker itself comes with every worker).
+CURATE_WORKER_MODULES = ("tokenmill.pipelines.curate",)
+
+
+def _run_curate(args: argparse.Namespace, warm_workers: WarmWorkers | None) -> int:
     from tokenmill.corpora.paths import input_root
     from tokenmill.pipelines.curate import CurateRun, build_pipeline, clear_previous_output, stage_seconds
     from tokenmill.pipelines.options import make_pipeline
@@ -155,7 +172,7 @@ def run_curate(args: argparse.Namespace) -> int:
     dry_run = bool(getattr(args, "dry_run", False))
     # A dry run builds the job and touches nothing, so it neither reads nor clears the output.
     earlier = [] if dry_run else check_output(args.output, args.overwrite)
-    pipeline = make_pipeline(args, "curate")
+    pipeline = make_pipeline(args, "curate", warm_workers)
     from tokenmill.pipelines.dedupe_index import DedupeIndexError
 
     try:

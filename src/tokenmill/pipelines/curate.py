@@ -50,7 +50,7 @@ from tokenmill.pipelines.dedupe_index import (
     load_indexes,
 )
 from tokenmill.pipelines.recipe import MAX_SOURCE_TEXT, GroupingStep, Recipe, build_steps
-from tokenmill.pipelines.sinks import WritePartitioned, write_parquet
+from tokenmill.pipelines.sinks import OutputKind, WritePartitioned, write_parquet
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,10 @@ def _fill_cell(document: dict, domain: str, quality: int) -> dict:
 
 def _row(document: dict, schema) -> dict:
     return {name: document.get(name) for name in schema.names}
+
+
+def _row_id(row: dict) -> str:
+    return row["id"]
 
 
 def _removed_row(document: dict, keep_text: bool) -> dict:
@@ -382,6 +386,10 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
     chars_per_token = recipe.chars_per_token
     steps = build_steps(recipe, run.recipe_path)
     attach_earlier_indexes(steps, load_indexes(run.dedupe_against))
+    warm_workers = getattr(pipeline.runner, "warm_workers", None)
+    if warm_workers is not None:  # the local runner's workers set up the steps while the job is built
+        calls = (call for step in steps if isinstance(step, DocumentStep) for call in step.warm_up_calls())
+        warm_workers.prepare(dict.fromkeys(calls))
 
     read = (
         pipeline
@@ -446,63 +454,63 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         )
     rejected = read.rejected
 
-    def write_documents(documents, key_label: str, write_label: str, partition, schema, to_row):
-        """Documents as rows of `schema` in Parquet files under the folder `partition(document)` names."""
-        return (
-            documents
-            | key_label >> beam.Map(lambda d: (partition(d), to_row(d)))
-            | write_label
-            >> WritePartitioned(
-                run.output,
-                ".parquet",
-                lambda path, rows: write_parquet(path, rows, schema),
-                lambda row: row["id"],
-                lambda document: len(document.get("text") or "") + 64,
-                target,
+    def document_bytes(row: dict) -> int:
+        return len(row.get("text") or "") + 64
+
+    curated_kind = OutputKind(
+        "curated",
+        ".parquet",
+        lambda path, rows: write_parquet(path, rows, DOCUMENT_SCHEMA),
+        _row_id,
+        document_bytes,
+    )
+    removed_kind = OutputKind(
+        "removed",
+        ".parquet",
+        lambda path, rows: write_parquet(path, rows, REMOVED_SCHEMA),
+        _row_id,
+        document_bytes,
+    )
+    rejected_kind = OutputKind(
+        "rejected",
+        ".jsonl.zst",
+        write_rejected,
+        lambda r: f"{r['file']}\x00{r['line'] or 0:012d}\x00{r['offset'] or 0:015d}",
+        lambda r: len(r.get("raw") or r.get("raw_base64") or "") + 256,
+    )
+    keyed_kept = kept | "KeyByCell" >> beam.Map(
+        lambda d: (f"curated/{cell_name(d['domain'], int(d['quality']))}", _row(d, DOCUMENT_SCHEMA))
+    )
+    keyed_removed = tuple(
+        part
+        | f"KeyByReason{index}"
+        >> beam.Map(
+            lambda d: (
+                f"removed/stage={_safe(d['stage'])}/reason={_safe(d['reason'])}",
+                _removed_row(d, recipe.removed_text),
             )
         )
-
-    curated_files = write_documents(
-        kept,
-        "KeyByCell",
-        "WriteCurated",
-        lambda d: f"curated/{cell_name(d['domain'], int(d['quality']))}",
-        DOCUMENT_SCHEMA,
-        lambda d: _row(d, DOCUMENT_SCHEMA),
+        for index, part in enumerate(removed)
     )
-    removed_files = write_documents(
-        removed,
-        "KeyByReason",
-        "WriteRemoved",
-        lambda d: f"removed/stage={_safe(d['stage'])}/reason={_safe(d['reason'])}",
-        REMOVED_SCHEMA,
-        lambda d: _removed_row(d, recipe.removed_text),
+    keyed_rejected = rejected | "KeyRejected" >> beam.Map(
+        lambda r: ("rejected", {k: v for k, v in r.items() if k != "source"})
     )
-    rejected_files = (
-        rejected
-        | "KeyRejected" >> beam.Map(lambda r: ("rejected", {k: v for k, v in r.items() if k != "source"}))
-        | "WriteRejected"
-        >> WritePartitioned(
-            run.output,
-            ".jsonl.zst",
-            write_rejected,
-            lambda r: f"{r['file']}\x00{r['line'] or 0:012d}\x00{r['offset'] or 0:015d}",
-            lambda r: len(r.get("raw") or r.get("raw_base64") or "") + 256,
-            target,
-        )
+    output_files = (keyed_kept, *keyed_removed, keyed_rejected) | "WriteOutputs" >> WritePartitioned(
+        run.output, [curated_kind, *[removed_kind] * len(keyed_removed), rejected_kind], target
     )
 
     outcome_stats = (
         (kept | "KeptStats" >> beam.FlatMap(_stat_entries, "kept", chars_per_token)),
-        (removed | "RemovedStats" >> beam.FlatMap(_stat_entries, "removed", chars_per_token)),
+        *(
+            part | f"RemovedStats{index}" >> beam.FlatMap(_stat_entries, "removed", chars_per_token)
+            for index, part in enumerate(removed)
+        ),
         (rejected | "RejectedStats" >> beam.FlatMap(_stat_entries, "rejected", chars_per_token)),
         read_stats,
     ) | "AllStats" >> beam.Flatten()
     # stats.json marks a finished run, so it waits for every file: the file list is its side input.
     files = (
-        (curated_files, removed_files, rejected_files, *index_files)
-        | "AllFiles" >> beam.Flatten()
-        | "FileList" >> beam.combiners.ToList()
+        (output_files, *index_files) | "AllFiles" >> beam.Flatten() | "FileList" >> beam.combiners.ToList()
     )
     stage_stats = (
         tuple(stage_stats_parts)

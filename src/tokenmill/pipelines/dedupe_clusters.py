@@ -204,7 +204,9 @@ class DedupeClusters(beam.PTransform):
 
     Input: (kept documents, removed documents of stage 0, of stage 1, ...), the removals in recipe order;
     `stages` names the stage of each removed collection. Output: {"kept": documents with
-    `dup_cluster_size`, "removed": every removal, dedupe ones rewritten, "stats": (STAGE, numbers)}.
+    `dup_cluster_size`, "removed": every removal, dedupe ones rewritten, as a tuple of PCollections (the
+    other stages' removals as they came, then the rewritten ones: a consumer that maps them one by one
+    need not materialize their Flatten), "stats": (STAGE, numbers)}.
 
     Memory and shuffle at 10 TB on 1,000 workers: per dedupe stage, the ids of the documents that outlived
     it (kept, or removed by a later stage) and its pointers, once each (FollowOneStage); then, whole and
@@ -238,10 +240,9 @@ class DedupeClusters(beam.PTransform):
         }
         dedupe = [index for index, stage in enumerate(self.stages) if stage in DEDUPE_STAGES]
         if not dedupe:
-            others = tuple(removed_parts) | "AllRemoved" >> beam.Flatten(pipeline=pipeline)
             return {
                 "kept": kept | "ClusterOfOne" >> beam.Map(lambda document: {**document, CLUSTER_SIZE: 1}),
-                "removed": others,
+                "removed": tuple(removed_parts),
                 "stats": pipeline | "NoDedupe" >> beam.Create([(STAGE, zero)]),
             }
 
@@ -310,5 +311,4 @@ class DedupeClusters(beam.PTransform):
             | "SumStats" >> beam.CombineGlobally(StatsCombine(_MAX_STATS))
             | "StageStats" >> beam.Map(lambda numbers: (STAGE, numbers))
         )
-        removed = (*others, rewritten.removed) | "AllRemoved" >> beam.Flatten()
-        return {"kept": sized.kept, "removed": removed, "stats": stats}
+        return {"kept": sized.kept, "removed": (*others, rewritten.removed), "stats": stats}

@@ -18,6 +18,11 @@ when a stage has fewer chunks than bundles, between elements; a GroupByKey's out
 key's group is never split (a group larger than the bound is one bundle). What a pipeline computes does
 not depend on its bundles, so the output is the same as with Beam's own split.
 
+Each worker process runs tokenmill.pipelines.local_worker (Beam's worker main, then an exit without the
+interpreter's teardown), and where the command started warm workers (tokenmill.pipelines.warm_workers)
+the runner gives each of its worker slots one of those, already past its imports, instead of starting a
+cold one.
+
 The worker processes start with glibc's `MALLOC_ARENA_MAX=2` (unless the environment sets it): an SDK
 worker runs its bundles and its gRPC channels on several threads, glibc gives each thread that contends
 an arena of its own (up to 8 per core), and memory freed in one arena is not reused by another, so a
@@ -31,19 +36,37 @@ flight plus what its DoFns hold, whatever the corpus; the launcher holds a stage
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import queue
+import sys
 import threading
 from collections.abc import Mapping
 
+import grpc
 from apache_beam.metrics import monitoring_infos
-from apache_beam.portability.api import beam_fn_api_pb2
+from apache_beam.portability import python_urns
+from apache_beam.portability.api import (
+    beam_fn_api_pb2,
+    beam_fn_api_pb2_grpc,
+    beam_runner_api_pb2,
+    endpoints_pb2,
+)
 from apache_beam.runners.portability.fn_api_runner import execution
 from apache_beam.runners.portability.fn_api_runner.fn_runner import (
     BundleManager,
     FnApiRunner,
     ParallelBundleManager,
 )
+from apache_beam.runners.portability.fn_api_runner.worker_handlers import (
+    SubprocessSdkWorkerHandler,
+    WorkerHandler,
+)
+from apache_beam.runners.portability.local_job_service import BeamFnLoggingServicer, SubprocessSdkWorker
+from apache_beam.utils import thread_pool_executor
+from google.protobuf import json_format, text_format
+
+from tokenmill.pipelines.warm_workers import WORKER_MALLOC_ARENAS, WORKER_MODULE, WarmWorkers, pool, start_job
 
 #: The most encoded input bytes one bundle sends a worker (a stage's input is cut into as many bundles).
 MAX_BUNDLE_BYTES = 8 << 20
@@ -54,27 +77,43 @@ MAX_BUNDLE_BYTES = 8 << 20
 #: re-encodes it once in the launcher (stages under about 80 MB for 2 workers; larger ones are cut as
 #: they came).
 BUNDLES_PER_WORKER = 4
-#: glibc malloc arenas per worker process (MALLOC_ARENA_MAX), where the environment does not set it.
-WORKER_MALLOC_ARENAS = "2"
+#: The command Beam's FnApiRunner starts each SDK worker process with, and the one this runner uses.
+BEAM_WORKER_COMMAND = f"{sys.executable} -m apache_beam.runners.worker.sdk_worker_main".encode()
+WORKER_COMMAND = f"{sys.executable} -m {WORKER_MODULE}".encode()
+#: The environment of workers taken from a warm pool (a JSON payload: the cold command, the pool's id).
+WARM_SUBPROCESS_URN = "tokenmill:env:warm_subprocess_python:v1"
 #: A GroupByKey's output is first cut into parts of about this many values, then parts are packed into
 #: bundles of at most MAX_BUNDLE_BYTES (its grouped values are only encoded when it is cut).
-GROUPED_VALUES_PER_PART = 1024
+GROUPED_VALUES_PER_PART = 256
 
 
 class BoundedBundleFnApiRunner(FnApiRunner):
-    """FnApiRunner whose parallel stages run in bundles of at most `max_bundle_bytes` of input each."""
+    """FnApiRunner whose parallel stages run in bundles of at most `max_bundle_bytes` of input each, on
+    `warm_workers` where given (closed when the run ends)."""
 
-    def __init__(self, max_bundle_bytes: int = MAX_BUNDLE_BYTES, **kwargs) -> None:
+    def __init__(
+        self, max_bundle_bytes: int = MAX_BUNDLE_BYTES, warm_workers: WarmWorkers | None = None, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         if max_bundle_bytes <= 0:
             raise ValueError(f"max_bundle_bytes must be positive, not {max_bundle_bytes}")
         self.max_bundle_bytes = max_bundle_bytes
+        self.warm_workers = warm_workers
 
     def run_pipeline(self, pipeline, options):
         # SDK worker processes inherit the launcher's environment (Beam's SubprocessSdkWorker), and glibc
         # reads this once, at a process's start: set before the first stage starts them.
         os.environ.setdefault("MALLOC_ARENA_MAX", WORKER_MALLOC_ARENAS)
-        return super().run_pipeline(pipeline, options)
+        try:
+            return super().run_pipeline(pipeline, options)
+        finally:
+            if self.warm_workers is not None:
+                self.warm_workers.close()
+
+    def run_via_runner_api(self, pipeline_proto, options):
+        pool_id = self.warm_workers.pool_id if self.warm_workers is not None else None
+        use_tokenmill_worker(pipeline_proto, pool_id)
+        return super().run_via_runner_api(pipeline_proto, options)
 
     def _get_bundle_manager(self, bundle_context_manager: execution.BundleContextManager) -> BundleManager:
         manager = super()._get_bundle_manager(bundle_context_manager)
@@ -111,6 +150,103 @@ def _cut(coder_impl, chunks: list[bytes], parts: int) -> list[bytes]:
     buffer = execution.ListBuffer(coder_impl)
     buffer._inputs = list(chunks)
     return [piece for part in buffer.partition(max(parts, len(chunks) + 1)) for piece in part if piece]
+
+
+def use_tokenmill_worker(pipeline_proto: beam_runner_api_pb2.Pipeline, pool_id: str | None = None) -> None:
+    """Beam's own worker command (what --direct_running_mode=multi_processing gives) becomes the same
+    worker without the interpreter's teardown at its end (tokenmill.pipelines.local_worker), taken from
+    the warm pool `pool_id` where one is given; a command the pipeline set itself is kept."""
+    for environment in pipeline_proto.components.environments.values():
+        if environment.urn == python_urns.SUBPROCESS_SDK and environment.payload == BEAM_WORKER_COMMAND:
+            if pool_id is None:
+                environment.payload = WORKER_COMMAND
+            else:
+                environment.urn = WARM_SUBPROCESS_URN
+                environment.payload = json.dumps(
+                    {"command": WORKER_COMMAND.decode(), "pool": pool_id}
+                ).encode()
+
+
+@WorkerHandler.register_environment(WARM_SUBPROCESS_URN, bytes)
+class WarmSubprocessSdkWorkerHandler(SubprocessSdkWorkerHandler):
+    """Beam's subprocess worker handler, whose worker is a warm process from the pool where one is left."""
+
+    def __init__(self, payload: bytes, state, provision_info, grpc_server) -> None:
+        spec = json.loads(payload)
+        super().__init__(spec["command"].encode(), state, provision_info, grpc_server)
+        self._pool_id = spec["pool"]
+
+    def start_worker(self) -> None:
+        warm = pool(self._pool_id)
+        process = warm.take() if warm is not None else None
+        if process is None:
+            super().start_worker()
+            return
+        self.worker = _WarmSdkWorker(process, self.control_address, self.provision_info, self.worker_id)
+        self.worker_thread = threading.Thread(name="run_worker", target=self.worker.run)
+        self.worker_thread.start()
+
+
+class _WarmSdkWorker(SubprocessSdkWorker):
+    """Beam's SubprocessSdkWorker.run with the job's addresses handed to a process already started."""
+
+    def __init__(self, process, control_address, provision_info, worker_id) -> None:
+        super().__init__(WORKER_COMMAND, control_address, provision_info, worker_id)
+        self._process = process
+
+    def run(self) -> None:
+        options = [("grpc.http2.max_pings_without_data", 0), ("grpc.http2.max_ping_strikes", 0)]
+        logging_server = grpc.server(thread_pool_executor.shared_unbounded_instance(), options=options)
+        logging_port = logging_server.add_insecure_port("[::]:0")
+        logging_server.start()
+        beam_fn_api_pb2_grpc.add_BeamFnLoggingServicer_to_server(BeamFnLoggingServicer(), logging_server)
+        environment = {
+            "CONTROL_API_SERVICE_DESCRIPTOR": text_format.MessageToString(
+                endpoints_pb2.ApiServiceDescriptor(url=self._control_address)
+            ),
+            "LOGGING_API_SERVICE_DESCRIPTOR": text_format.MessageToString(
+                endpoints_pb2.ApiServiceDescriptor(url=f"localhost:{logging_port}")
+            ),
+            "PIPELINE_OPTIONS": json_format.MessageToJson(
+                self._provision_info.provision_info.pipeline_options
+            ),
+        }
+        if self._worker_id:
+            environment["WORKER_ID"] = self._worker_id
+        process = self._process
+        try:
+            start_job(process, environment)
+            process.wait()
+            if process.returncode:
+                raise RuntimeError(f"Worker subprocess exited with return code {process.returncode}")
+        finally:
+            if process.poll() is None:
+                process.kill()
+            logging_server.stop(0)
+
+
+def pack_bundles(
+    pieces: list[tuple[str, bytes]], input_names: list[str], wanted: int, max_bundle_bytes: int
+) -> list[dict[str, list[bytes]]]:
+    """(input name, encoded piece) pairs packed, in order, into bundles {input name: pieces}.
+
+    Guided scheduling: each new bundle takes a 1/`wanted` share of the bytes still to pack (at most
+    `max_bundle_bytes`, at least one piece), so bundles shrink toward the stage's end and the last ones
+    the workers take are small: a stage waits for its slowest worker, and a worker that finishes first
+    idles for at most one small bundle's time. About `wanted` x ln(bytes / smallest piece) bundles.
+    """
+    remaining = sum(len(piece) for _, piece in pieces)
+    bundles: list[dict[str, list[bytes]]] = []
+    size = target = 0
+    for name, piece in pieces:
+        if not bundles or (size > 0 and size + len(piece) > target):
+            bundles.append({input_name: [] for input_name in input_names})
+            size = 0
+            target = max(1, min(max_bundle_bytes, -(-remaining // wanted)))
+        bundles[-1][name].append(piece)
+        size += len(piece)
+        remaining -= len(piece)
+    return bundles
 
 
 class BoundedParallelBundleManager(ParallelBundleManager):
@@ -154,18 +290,7 @@ class BoundedParallelBundleManager(ParallelBundleManager):
         workers = self._num_workers
         wanted = workers * BUNDLES_PER_WORKER
         pieces = [(name, piece) for name, buffer in inputs.items() for piece in self._pieces(buffer, wanted)]
-        total = sum(len(piece) for _, piece in pieces)
-        # Small inputs still spread over every worker, in a few bundles each so that a worker done early
-        # takes more; large ones in bundles of at most max_bundle_bytes.
-        target = max(1, min(self.max_bundle_bytes, -(-total // wanted)))
-        bundles: list[dict[str, list[bytes]]] = []
-        size = target
-        for name, piece in pieces:
-            if size + len(piece) > target and (not bundles or size > 0):
-                bundles.append({input_name: [] for input_name in inputs})
-                size = 0
-            bundles[-1][name].append(piece)
-            size += len(piece)
+        bundles = pack_bundles(pieces, list(inputs), wanted, self.max_bundle_bytes)
         while len(bundles) < workers:  # as Beam does: every worker runs the stage, some with no input
             bundles.append({input_name: [] for input_name in inputs})
         return bundles

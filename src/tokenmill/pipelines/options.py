@@ -27,6 +27,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.pipelines.warm_workers import WarmWorkers
 
 #: The names `--runner` gives a meaning of its own; any other name is a Beam runner, passed through.
 RUNNERS = ("local", "dataflow", "dask")
@@ -238,12 +243,28 @@ def pipeline_flags(args: argparse.Namespace) -> list[str]:
     return [*flags, *args.beam_option]
 
 
-def create_runner(args: argparse.Namespace):
-    """The Beam runner object for `--runner` (an unknown name is a usage error naming the known ones)."""
+def start_warm_workers(args: argparse.Namespace, modules: Sequence[str] = ()) -> WarmWorkers | None:
+    """Worker processes for a local run with several workers, started now so that their imports of
+    `modules` overlap the launcher's (tokenmill.pipelines.warm_workers); None for any other run. Close
+    it (or use it as a context manager) whether or not the run starts."""
+    if args.runner != "local" or getattr(args, "dry_run", False):
+        return None
+    workers = local_worker_count(args.workers)
+    flags = " ".join(args.beam_option)
+    if workers < 2 or "direct_running_mode" in flags or "environment_type" in flags:
+        return None  # one in-process worker, or workers the user chose
+    from tokenmill.pipelines.warm_workers import WarmWorkers
+
+    return WarmWorkers(workers, modules)
+
+
+def create_runner(args: argparse.Namespace, warm_workers: WarmWorkers | None = None):
+    """The Beam runner object for `--runner` (an unknown name is a usage error naming the known ones);
+    a local run takes its workers from `warm_workers` where given."""
     if args.runner == "local":
         from tokenmill.pipelines.local_runner import BoundedBundleFnApiRunner
 
-        return BoundedBundleFnApiRunner()
+        return BoundedBundleFnApiRunner(warm_workers=warm_workers)
     if args.runner == "dask":
         from tokenmill.pipelines.dask_runner import DaskRunner
 
@@ -257,8 +278,8 @@ def create_runner(args: argparse.Namespace):
         raise _usage_error(f"--runner {args.runner}: {error}") from None
 
 
-def make_pipeline(args: argparse.Namespace, job_kind: str):
-    """A beam.Pipeline for the runner the arguments ask for."""
+def make_pipeline(args: argparse.Namespace, job_kind: str, warm_workers: WarmWorkers | None = None):
+    """A beam.Pipeline for the runner the arguments ask for (see start_warm_workers)."""
     import apache_beam as beam
     from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
@@ -271,7 +292,7 @@ def make_pipeline(args: argparse.Namespace, job_kind: str):
             ) from None
     flags = pipeline_flags(args)
     options = PipelineOptions(flags, save_main_session=False, pipeline_type_check=True)
-    runner = create_runner(args)
+    runner = create_runner(args, warm_workers)
     if args.runner == "dataflow" and not args.job_name:
         options.view_as(GoogleCloudOptions).job_name = f"tokenmill-{job_kind}"
     return beam.Pipeline(runner=runner, options=options)

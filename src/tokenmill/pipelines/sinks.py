@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import apache_beam as beam
 import pyarrow as pa
@@ -46,74 +47,98 @@ def write_parquet(path: str, rows: list[dict], schema: pa.Schema) -> None:
     storage.write_bytes(path, buffer.getvalue())
 
 
+@dataclass(frozen=True)
+class OutputKind:
+    """One kind of partitioned output (curated documents, removed ones, rejected input): its name, its
+    files' suffix and writer, and each record's sort key and size in bytes (what file counts are made of)."""
+
+    name: str
+    suffix: str
+    write: Callable[[str, list[dict]], None]
+    record_key: Callable[[dict], str]
+    record_bytes: Callable[[dict], int]
+
+
 class _WriteFile(beam.DoFn):
-    def __init__(
-        self,
-        output_dir: str,
-        suffix: str,
-        write: Callable[[str, list[dict]], None],
-        record_key: Callable[[dict], str],
-    ):
+    def __init__(self, output_dir: str, kinds: dict[str, OutputKind]):
         self.output_dir = output_dir
-        self.suffix = suffix
-        self.write = write
-        self.record_key = record_key
+        self.kinds = kinds
         self.files_written = beam.metrics.Metrics.counter("tokenmill", "files_written")
 
-    def process(self, element: tuple[tuple[str, int, int], Iterable[dict | None]]):
-        (partition, index, count), records = element
-        rows = sorted((record for record in records if record is not None), key=self.record_key)
-        relative = f"{partition}/{part_name(index, count, self.suffix)}"
-        self.write(storage.join(self.output_dir, relative), rows)
+    def process(self, element: tuple[tuple[tuple[str, str], int, int], Iterable[dict | None]]):
+        ((kind_name, partition), index, count), records = element
+        kind = self.kinds[kind_name]
+        rows = sorted((record for record in records if record is not None), key=kind.record_key)
+        relative = f"{partition}/{part_name(index, count, kind.suffix)}"
+        kind.write(storage.join(self.output_dir, relative), rows)
         self.files_written.inc()
         yield relative, len(rows)
 
 
+def _assign_file(
+    pair: tuple[tuple[str, str], dict | int], kinds: dict[str, OutputKind], counts: dict
+) -> tuple[tuple[tuple[str, str], int, int], dict | None]:
+    """A record's file, ((kind, partition), index, count), and the record; a placeholder ((kind,
+    partition), file index) keeps its index and stands for no record."""
+    key, value = pair
+    count = counts[key]
+    if isinstance(value, int):
+        return (key, value, count), None
+    return (key, stable_hash(kinds[key[0]].record_key(value)) % count, count), value
+
+
 class WritePartitioned(beam.PTransform):
     """Write (partition, record) pairs as size-bounded files; outputs (path relative to the output, rows)
-    per file."""
+    per file.
 
-    def __init__(
-        self,
-        output_dir: str,
-        suffix: str,
-        write: Callable[[str, list[dict]], None],
-        record_key: Callable[[dict], str],
-        record_bytes: Callable[[dict], int],
-        target_file_bytes: int,
-    ):
+    The input is a tuple of PCollections, part i of kind `kinds[i]` (kinds may repeat: every stage's
+    removals are of one kind). All kinds go through one group by file, so that their files are written in
+    one stage, spread over every worker: on a runner that runs stages one at a time, a stage per kind
+    would leave workers idle while one writes a kind's only file. The records wait, materialized, for
+    their partitions' byte totals (a side input: a file's index needs its partition's file count); one
+    placeholder per file joins them in that same materialization, so that every file is written even
+    where no record hashed to it, and a record crosses the runner's shuffle twice: there and in the group
+    by file (on the local runner every Flatten of several inputs is materialized, so one after AssignFile
+    would be a third crossing). Memory: a file's records on one worker (at most about
+    `target_file_bytes`); shuffle: the records' bytes twice, plus one small element per file.
+    """
+
+    def __init__(self, output_dir: str, kinds: Sequence[OutputKind], target_file_bytes: int):
         super().__init__()
         self.output_dir = output_dir
-        self.suffix = suffix
-        self.write = write
-        self.record_key = record_key
-        self.record_bytes = record_bytes
+        self.part_kinds = list(kinds)
+        self.kinds = {kind.name: kind for kind in self.part_kinds}
         self.target_file_bytes = target_file_bytes
 
-    def expand(self, keyed_records):
+    def expand(self, parts):
+        if not isinstance(parts, tuple) or len(parts) != len(self.part_kinds):
+            raise ValueError(f"WritePartitioned: {len(self.part_kinds)} kinds need as many PCollections")
         target = self.target_file_bytes
-        record_key, record_bytes = self.record_key, self.record_bytes
+        # Each record keyed by (kind, partition): a partition's files and its kind's writer go together.
+        keyed = [
+            part | f"Key{index}" >> beam.Map(lambda pair, name=kind.name: ((name, pair[0]), pair[1]))
+            for index, (part, kind) in enumerate(zip(parts, self.part_kinds))
+        ]
+        sizes = [
+            part | f"Bytes{index}" >> beam.Map(lambda pair, size=kind.record_bytes: (pair[0], size(pair[1])))
+            for index, (part, kind) in enumerate(zip(keyed, self.part_kinds))
+        ]
+        # Small (key, bytes) pairs: their Flatten is cheap to materialize.
+        all_sizes = sizes[0] if len(sizes) == 1 else tuple(sizes) | "AllSizes" >> beam.Flatten()
         file_counts = (
-            keyed_records
-            | "Bytes" >> beam.Map(lambda pair: (pair[0], record_bytes(pair[1])))
+            all_sizes
             | "SumBytes" >> beam.CombinePerKey(sum)
             | "FileCount" >> beam.Map(lambda pair: (pair[0], max(1, math.ceil(pair[1] / target))))
         )
         every_file = file_counts | "EveryFile" >> beam.FlatMap(
-            lambda pair: [((pair[0], index, pair[1]), None) for index in range(pair[1])]
-        )
-        assigned = keyed_records | "AssignFile" >> beam.Map(
-            lambda pair, counts: (
-                (pair[0], stable_hash(record_key(pair[1])) % counts[pair[0]], counts[pair[0]]),
-                pair[1],
-            ),
-            counts=beam.pvalue.AsDict(file_counts),
+            lambda pair: [(pair[0], index) for index in range(pair[1])]
         )
         return (
-            (assigned, every_file)
+            (*keyed, every_file)
             | "Together" >> beam.Flatten()
+            | "AssignFile" >> beam.Map(_assign_file, kinds=self.kinds, counts=beam.pvalue.AsDict(file_counts))
             | "GroupByFile" >> beam.GroupByKey()
-            | "Write" >> beam.ParDo(_WriteFile(self.output_dir, self.suffix, self.write, record_key))
+            | "Write" >> beam.ParDo(_WriteFile(self.output_dir, self.kinds))
         )
 
 
