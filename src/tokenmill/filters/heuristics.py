@@ -28,6 +28,7 @@ Nothing downloads: these four filters need only spaCy's blank English pipeline, 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
@@ -251,13 +252,16 @@ class SharedWordTokenizer(WordTokenizer):
 
 
 _SHARED: dict[str, SharedWordTokenizer] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def shared_word_tokenizer(language: str = "en") -> SharedWordTokenizer:
-    """The worker-wide tokenizer for `language` (one per process, so that all filters share its cache)."""
-    if language not in _SHARED:
-        _SHARED[language] = SharedWordTokenizer(language)
-    return _SHARED[language]
+    """The worker-wide tokenizer for `language` (one per process, so that all filters share its cache;
+    a warm worker may be making it on another thread when a step's set-up asks)."""
+    with _SHARED_LOCK:
+        if language not in _SHARED:
+            _SHARED[language] = SharedWordTokenizer(language)
+        return _SHARED[language]
 
 
 class HeuristicFilter(DocumentStep):

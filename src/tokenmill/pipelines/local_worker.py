@@ -9,9 +9,9 @@ curate run, paid before the run can end. `os._exit` skips it; the operating syst
 at once. A worker that fails still exits through Python, with its traceback and a non-zero status.
 
 `--warm MODULE...` starts a warm worker (tokenmill.pipelines.warm_workers): it imports Beam's worker and
-the modules named, then reads JSON lines on stdin: `{"call": "module:function", "args": [...]}` runs a
-preparation, `{"environment": {...}}` sets the job's service addresses and runs the worker. At the end
-of stdin without a job it exits quietly.
+the modules named, then reads JSON lines on stdin: `{"call": "module:function", "args": [...]}` queues a
+preparation, `{"environment": {...}}` sets the job's service addresses and runs the worker (while the
+preparations left go on). At the end of stdin without a job it exits quietly.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ import importlib
 import json
 import logging
 import os
+import queue
 import sys
 import threading
-
-from apache_beam.runners.worker import sdk_worker_main
 
 #: How much lower than the launcher a warm worker's imports and preparations run (a nice value).
 WARM_UP_NICENESS = 10
 
 
 def _run_worker() -> None:
+    from apache_beam.runners.worker import sdk_worker_main  # imported by the warm-up, where there is one
+
     sdk_worker_main.main(sys.argv)
     logging.shutdown()
     sys.stdout.flush()
@@ -48,32 +49,40 @@ def _call(name: str, args: list[str]) -> None:
 
 
 def _wait_for_job(modules: list[str]) -> None:
+    calls: queue.SimpleQueue = queue.SimpleQueue()
     job: dict[str, str] = {}
+    arrived = threading.Event()
+
+    def read_messages() -> None:
+        for line in sys.stdin:
+            message = json.loads(line)
+            if "call" in message:
+                calls.put((message["call"], message["args"]))
+            elif "environment" in message:
+                job.update(message["environment"])
+                break
+        calls.put(None)
+        arrived.set()
 
     def prepare() -> None:
         # At a lower priority than the launcher, which builds the job meanwhile: on a machine with fewer
         # cores than processes the launcher's work is what the run waits for. On Linux a thread's nice
-        # value is its own, so the job itself, run by the main thread, keeps the normal priority.
+        # value is its own, so the job, run by the main thread, keeps the normal priority. Preparations
+        # still queued when the job arrives go on beside it (a step's set-up waits for the one it needs).
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_UP_NICENESS)
         except (AttributeError, OSError):
             pass
-        for module_name in modules:
+        for module_name in ("apache_beam.runners.worker.sdk_worker_main", *modules):
             importlib.import_module(module_name)
-        for line in sys.stdin:
-            message = json.loads(line)
-            if "call" in message:
-                _call(message["call"], message["args"])
-            elif "environment" in message:
-                job.update(message["environment"])
-                return
+        while (call := calls.get()) is not None:
+            _call(*call)
 
-    preparing = threading.Thread(target=prepare, name="warm-up")
-    preparing.start()
-    preparing.join()
+    threading.Thread(target=read_messages, name="warm-messages", daemon=True).start()
+    threading.Thread(target=prepare, name="warm-up", daemon=True).start()
+    arrived.wait()
     if not job:
-        sys.exit(0)  # stdin closed before a job came: the run did not need this worker
-    sys.stdin.close()
+        os._exit(0)  # stdin closed before a job came: the run did not need this worker
     os.environ.update(job)
     _run_worker()
 
