@@ -1,7 +1,5 @@
 """`python -m tokenmill` runs the command line."""
 
-import sys
+from tokenmill.cli import run
 
-from tokenmill.cli import main
-
-sys.exit(main())
+run()

@@ -8,9 +8,13 @@ Registration only declares arguments; heavy imports (Beam, JAX) happen inside th
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import logging
+import os
 import sys
+import threading
+from typing import NoReturn
 
 from tokenmill import __version__
 from tokenmill.errors import UsageError
@@ -93,3 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def run() -> NoReturn:
+    """The `tokenmill` program: `main()`, then an exit without Python's teardown.
+
+    A curate launcher holds Beam's job graph, its protos and every module it imported, and Python's
+    teardown frees them object by object: 0.7-0.8 s measured after a curate run on the development
+    machine, longer than the run's last stages. By the time main() returns every file is written; the
+    exit handlers still run (they close sessions, end multiprocessing children, flush logging), the
+    streams are flushed, and the operating system reclaims the memory at once. Where a thread that is
+    not a daemon is still alive, Python's own exit waits for it as usual.
+    """
+    code = main()
+    if any(thread.is_alive() and not thread.daemon for thread in threading.enumerate()[1:]):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+

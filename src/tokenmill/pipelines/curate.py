@@ -50,7 +50,7 @@ from tokenmill.pipelines.dedupe_index import (
     load_indexes,
 )
 from tokenmill.pipelines.recipe import MAX_SOURCE_TEXT, GroupingStep, Recipe, build_steps
-from tokenmill.pipelines.sinks import OutputKind, WritePartitioned, write_parquet
+from tokenmill.pipelines.sinks import OutputKind, SumPerBundle, WritePartitioned, write_parquet
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +227,10 @@ def _read_entries(document: dict, chars_per_token: float, license_field: str | N
         license_name = record_license(document.get("metadata"), license_field)
         if license_name is not None:
             yield ("license", license_name, document["source"]), (1, 0, 0)
+
+
+def _add_triples(first: tuple[int, int, int], second: tuple[int, int, int]) -> tuple[int, int, int]:
+    return first[0] + second[0], first[1] + second[1], first[2] + second[2]
 
 
 def _sum_triples(values: Iterable[tuple[int, int, int]]) -> tuple[int, int, int]:
@@ -499,15 +503,26 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         run.output, [curated_kind, *[removed_kind] * len(keyed_removed), rejected_kind], target
     )
 
-    outcome_stats = (
-        (kept | "KeptStats" >> beam.FlatMap(_stat_entries, "kept", chars_per_token)),
+    entries = [
+        ("KeptStats", kept | "KeptStats" >> beam.FlatMap(_stat_entries, "kept", chars_per_token)),
         *(
-            part | f"RemovedStats{index}" >> beam.FlatMap(_stat_entries, "removed", chars_per_token)
+            (
+                f"RemovedStats{index}",
+                part | f"RemovedStats{index}" >> beam.FlatMap(_stat_entries, "removed", chars_per_token),
+            )
             for index, part in enumerate(removed)
         ),
-        (rejected | "RejectedStats" >> beam.FlatMap(_stat_entries, "rejected", chars_per_token)),
-        read_stats,
-    ) | "AllStats" >> beam.Flatten()
+        (
+            "RejectedStats",
+            rejected | "RejectedStats" >> beam.FlatMap(_stat_entries, "rejected", chars_per_token),
+        ),
+        ("CountRead", read_stats),
+    ]
+    # Summed per bundle where the documents are, so the Flatten carries a few sums, not an entry a document.
+    outcome_stats = (
+        tuple(part | f"{label}PerBundle" >> beam.ParDo(SumPerBundle(_add_triples)) for label, part in entries)
+        | "AllStats" >> beam.Flatten()
+    )
     # stats.json marks a finished run, so it waits for every file: the file list is its side input.
     files = (
         (output_files, *index_files) | "AllFiles" >> beam.Flatten() | "FileList" >> beam.combiners.ToList()

@@ -15,12 +15,15 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import apache_beam as beam
 import pyarrow as pa
 import pyarrow.parquet as pq
+from apache_beam.transforms.window import GlobalWindows
 
 from tokenmill import storage
 
@@ -75,6 +78,28 @@ class _WriteFile(beam.DoFn):
         yield relative, len(rows)
 
 
+class SumPerBundle(beam.DoFn):
+    """(key, value) pairs in; at the end of each bundle, one (key, sum of its values) per key seen, summed
+    with `add`. Put before a Flatten that the runner materializes (the local runner materializes every
+    Flatten of several inputs): what crosses is one element per key per bundle, not one per record, as a
+    combiner's lifted pre-combine would do without the Flatten. Memory: one value per key of the bundle."""
+
+    def __init__(self, add: Callable[[Any, Any], Any] = operator.add) -> None:
+        self.add = add
+
+    def start_bundle(self) -> None:
+        self.sums: dict = {}
+
+    def process(self, pair: tuple) -> None:
+        key, value = pair
+        self.sums[key] = self.add(self.sums[key], value) if key in self.sums else value
+
+    def finish_bundle(self):
+        for key, total in self.sums.items():
+            yield GlobalWindows.windowed_value((key, total))
+        self.sums = {}
+
+
 def _assign_file(
     pair: tuple[tuple[str, str], dict | int], kinds: dict[str, OutputKind], counts: dict
 ) -> tuple[tuple[tuple[str, str], int, int], dict | None]:
@@ -119,11 +144,14 @@ class WritePartitioned(beam.PTransform):
             part | f"Key{index}" >> beam.Map(lambda pair, name=kind.name: ((name, pair[0]), pair[1]))
             for index, (part, kind) in enumerate(zip(parts, self.part_kinds))
         ]
+        # Byte totals per (kind, partition) and bundle, made where the records are: what crosses to the
+        # sum is one number per partition per bundle, not one per record.
         sizes = [
-            part | f"Bytes{index}" >> beam.Map(lambda pair, size=kind.record_bytes: (pair[0], size(pair[1])))
+            part
+            | f"Bytes{index}" >> beam.Map(lambda pair, size=kind.record_bytes: (pair[0], size(pair[1])))
+            | f"BundleBytes{index}" >> beam.ParDo(SumPerBundle())
             for index, (part, kind) in enumerate(zip(keyed, self.part_kinds))
         ]
-        # Small (key, bytes) pairs: their Flatten is cheap to materialize.
         all_sizes = sizes[0] if len(sizes) == 1 else tuple(sizes) | "AllSizes" >> beam.Flatten()
         file_counts = (
             all_sizes
