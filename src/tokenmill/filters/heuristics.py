@@ -32,7 +32,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from datatrove.data import Document
@@ -103,10 +103,10 @@ def torch_hidden() -> Iterator[None]:
 class SharedWordTokenizer(WordTokenizer):
     """datatrove's spaCy word splitting, computed once per text and shared by every filter of a worker.
 
-    `prime(texts)` splits a whole batch up front; `word_tokenize` answers from it, and `span_tokenize`
-    answers for the text itself or any stripped line of the text last named by `focus()` (what C4 asks
-    for). Anything else falls back to datatrove's own tokenizer. `splits` counts the spaCy splits made
-    and `split_seconds` their CPU time (the benches report them).
+    `prime(texts)` names a batch, whose texts are split when first asked about; `word_tokenize` answers
+    from those splits, and `span_tokenize` for the text itself or any stripped line of the text last
+    named by `focus()` (what C4 asks for). Anything else falls back to datatrove's own tokenizer.
+    `splits` counts the spaCy splits made and `split_seconds` their CPU time (the benches report them).
     """
 
     def __init__(
@@ -132,6 +132,9 @@ class SharedWordTokenizer(WordTokenizer):
         self._splits: dict[str, _Split] = {}
         self._other_words: dict[str, list[str]] = {}
         self._other_spans: dict[str, list[tuple[int, int]]] = {}
+        self._batch: dict[str, None] = {}
+        self._unsplittable: set[str] = set()
+        self._zone = ExitStack()
         self._focus: _Split | None = None
         self._focus_text: str | None = None
         self.splits = 0
@@ -147,38 +150,55 @@ class SharedWordTokenizer(WordTokenizer):
         return len(self._nlp.vocab.strings) - self._strings_at_start < self.permanent_strings
 
     def prime(self, texts: list[str]) -> None:
-        """Split a batch up front. Only this batch is held, so memory stays one batch."""
-        missing = [text for text in dict.fromkeys(texts) if text not in self._words]
-        if not missing:
-            return
+        """Name the batch the filters are about to judge. Each of its texts is split once, the first time
+        a filter asks for its words or spans (a document a filter removes on its lines or paragraphs
+        alone is never split: Gopher repetition removes about a sixth of web documents that way), and
+        only this batch is held, so memory stays one batch."""
+        batch = dict.fromkeys(texts)
+        if all(text in self._batch for text in batch):
+            return  # the batch's survivors, primed again by the next filter
         # Keep only what this batch shares with the last one: the cache holds one batch.
-        self._words = {text: self._words[text] for text in texts if text in self._words}
+        self._words = {text: self._words[text] for text in batch if text in self._words}
         self._splits = {text: self._splits[text] for text in self._words if text in self._splits}
+        self._batch = batch
+        self._unsplittable = set()
         self._focus = self._focus_text = None
+        # Inside a memory zone spaCy frees the batch's new strings when it ends (at the next batch);
+        # everything needed later is copied out (Python strings and ints) as each text is split.
+        self._zone.close()
+        self._zone = ExitStack()
+        if not self.permanent():
+            self._zone.enter_context(self._nlp.memory_zone())
+
+    def _split(self, text: str) -> _Split | None:
+        """The batch text's split, made now if it was not yet (None for a text outside the batch, or one
+        spaCy fails on: word_tokenize then falls back to datatrove, which knows spaCy's quirks)."""
+        split = self._splits.get(text)
+        if split is not None or text not in self._batch or text in self._unsplittable:
+            return split
         started = time.process_time()
-        tokenizer = self._nlp.tokenizer
-        # Inside a memory zone spaCy frees the batch's new strings when it ends; everything needed later
-        # is copied out (Python strings and ints) before it does.
-        with nullcontext() if self.permanent() else self._nlp.memory_zone():
-            for text in missing:
-                try:
-                    doc = tokenizer(text)
-                except Exception:
-                    continue  # word_tokenize falls back to datatrove, which knows spaCy's quirks
-                tokens = [token.text for token in doc]
-                # datatrove's strip_strings, with one strip per token
-                self._words[text] = [word for token in tokens if (word := token.strip())]
-                self._splits[text] = _Split(tokens, doc.to_array(self._attributes))
-        self.splits += len(missing)
+        try:
+            doc = self._nlp.tokenizer(text)
+        except Exception:
+            self._unsplittable.add(text)
+            return None
+        tokens = [token.text for token in doc]
+        # datatrove's strip_strings, with one strip per token
+        self._words[text] = [word for token in tokens if (word := token.strip())]
+        split = self._splits[text] = _Split(tokens, doc.to_array(self._attributes))
+        self.splits += 1
         self.split_seconds += time.process_time() - started
+        return split
 
     def focus(self, text: str) -> None:
         """Name the document the next span_tokenize calls are about (its lines are answered from it)."""
         self._focus_text = text
-        self._focus = self._splits.get(text)
+        self._focus = None
 
     def word_tokenize(self, text: str) -> list[str]:
         words = self._words.get(text)
+        if words is None and self._split(text) is not None:
+            words = self._words[text]
         if words is None:
             words = self._other_words.get(text)
         if words is None:
@@ -193,10 +213,12 @@ class SharedWordTokenizer(WordTokenizer):
         return self._reference.sent_tokenize(text)
 
     def span_tokenize(self, text: str) -> list[tuple[int, int]]:
-        split = self._splits.get(text)
+        split = self._split(text)
         if split is not None:
             split.unpack()
             return self._sentences(split, 0, len(split.starts), 0)
+        if self._focus is None and self._focus_text is not None:
+            self._focus = self._split(self._focus_text)
         focus = self._focus
         if focus is not None:
             if focus.lines is None:
