@@ -37,6 +37,7 @@ from pathlib import Path
 import psutil
 
 from tokenmill.formats.stats import STATS, read_stats
+from tokenmill.pipelines.warm_workers import WORKER_MODULE
 from tokenmill.samples import text as sample
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,12 +133,17 @@ class TreeMemory:
         self._thread.join()
 
     def is_worker(self, pid: int) -> bool:
-        """Beam's SDK worker processes (local runner), or the Dask worker processes a LocalCluster's
-        nannies spawn (multiprocessing children; its resource tracker is not a worker)."""
+        """The local runner's SDK worker processes (tokenmill's worker main, or Beam's), or the Dask
+        worker processes a LocalCluster's nannies spawn (multiprocessing children; its resource tracker
+        is not a worker)."""
         name = self.names.get(pid, "")
-        if name.startswith("/bin/sh"):  # the shell that Beam starts each SDK worker through
+        if name.startswith("/bin/sh"):  # the shell that Beam starts a cold SDK worker through
             return False
-        return "sdk_worker" in name or ("spawn_main" in name and "resource_tracker" not in name)
+        return (
+            WORKER_MODULE in name
+            or "sdk_worker" in name
+            or ("spawn_main" in name and "resource_tracker" not in name)
+        )
 
     def workers_peak(self) -> int:
         """The largest peak among the worker processes."""

@@ -221,4 +221,7 @@ def cumulative(stats: pstats.Stats, file_part: str, name: str) -> float:
 
 
 def is_worker(command: str) -> bool:
-    return "sdk_worker_main" in command
+    """A local runner's SDK worker process: tokenmill's worker main, or Beam's own."""
+    from tokenmill.pipelines.warm_workers import WORKER_MODULE
+
+    return WORKER_MODULE in command or "sdk_worker_main" in command
