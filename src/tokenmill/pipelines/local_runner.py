@@ -8,8 +8,9 @@ starts: a worker holds 1/W of the stage's input at once (a probe saw 4-6 MiB mes
 Dataflow workers read bundles of bounded size instead. Here each stage's input is cut into bundles of at
 most `max_bundle_bytes` (encoded; 8 MiB by default, about 3,000 web documents: per-bundle costs vanish,
 and a stage of 10k documents already fills its bundles), as many as that takes and at least
-BUNDLES_PER_WORKER per worker where there are as many elements, and every worker process runs one bundle
-at a time, taking the next one when it is free. The runner (the launcher process) still holds every
+BUNDLES_PER_WORKER per worker where there are as many elements, shrinking toward the stage's end
+(`pack_bundles`), and every worker process runs one bundle at a time, taking the next one when it is
+free. The runner (the launcher process) still holds every
 stage's input and output, as before: it is this runner's shuffle, what Dataflow's shuffle service holds
 on Dataflow.
 

@@ -24,6 +24,8 @@ import queue
 import sys
 import threading
 
+log = logging.getLogger(__name__)
+
 #: How much lower than the launcher a warm worker's imports and preparations run (a nice value).
 WARM_UP_NICENESS = 10
 
@@ -43,9 +45,7 @@ def _call(name: str, args: list[str]) -> None:
     try:
         getattr(importlib.import_module(module_name), function_name)(*args)
     except Exception as error:  # the step's own set-up meets it again, in a bundle, and reports it there
-        logging.getLogger(__name__).warning(
-            "warm worker: preparing %s%s failed: %s", name, tuple(args), error
-        )
+        log.warning("warm worker: preparing %s%s failed: %s", name, tuple(args), error)
 
 
 def _wait_for_job(modules: list[str]) -> None:
@@ -74,7 +74,12 @@ def _wait_for_job(modules: list[str]) -> None:
         except (AttributeError, OSError):
             pass
         for module_name in ("apache_beam.runners.worker.sdk_worker_main", *modules):
-            importlib.import_module(module_name)
+            try:
+                importlib.import_module(module_name)
+            except Exception as error:  # the job's own import meets it again and reports it there
+                logging.getLogger(__name__).warning(
+                    "warm worker: importing %s failed: %s", module_name, error
+                )
         while (call := calls.get()) is not None:
             _call(*call)
 
