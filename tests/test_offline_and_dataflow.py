@@ -142,6 +142,6 @@ def test_dataflow_job_graph_builds_and_every_dofn_pickles():
     }
     assert {"tokenmill-0.1.0-py3-none-any.whl", "extra_packages.txt"} <= staged  # what workers install
     transforms = {t.unique_name for t in job.proto_pipeline.components.transforms.values()}
-    assert {"Read", "Step2_exact_dedupe", "WriteCurated", "WriteRemoved", "WriteRejected", "WriteStats"} <= {
+    assert {"Read", "Step2_exact_dedupe", "WriteOutputs", "WriteStats"} <= {
         name.split("/")[0] for name in transforms
     }

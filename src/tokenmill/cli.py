@@ -116,4 +116,3 @@ def run() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-

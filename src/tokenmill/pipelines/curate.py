@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import apache_beam as beam
+import pyarrow as pa
 
 from tokenmill import storage
 from tokenmill.cells import cell_name
@@ -174,8 +175,15 @@ def _row(document: dict, schema) -> dict:
     return {name: document.get(name) for name in schema.names}
 
 
-def _row_id(row: dict) -> str:
-    return row["id"]
+def _documents_kind(name: str, schema: pa.Schema) -> OutputKind:
+    """Document rows as Parquet files of `schema`, sorted by id, sized by their text."""
+    return OutputKind(
+        name,
+        ".parquet",
+        lambda path, rows: write_parquet(path, rows, schema),
+        lambda row: row["id"],
+        lambda row: len(row.get("text") or "") + 64,
+    )
 
 
 def _removed_row(document: dict, keep_text: bool) -> dict:
@@ -458,23 +466,8 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         )
     rejected = read.rejected
 
-    def document_bytes(row: dict) -> int:
-        return len(row.get("text") or "") + 64
-
-    curated_kind = OutputKind(
-        "curated",
-        ".parquet",
-        lambda path, rows: write_parquet(path, rows, DOCUMENT_SCHEMA),
-        _row_id,
-        document_bytes,
-    )
-    removed_kind = OutputKind(
-        "removed",
-        ".parquet",
-        lambda path, rows: write_parquet(path, rows, REMOVED_SCHEMA),
-        _row_id,
-        document_bytes,
-    )
+    curated_kind = _documents_kind("curated", DOCUMENT_SCHEMA)
+    removed_kind = _documents_kind("removed", REMOVED_SCHEMA)
     rejected_kind = OutputKind(
         "rejected",
         ".jsonl.zst",

@@ -434,6 +434,11 @@ class EarlierNearDuplicates(beam.PTransform):
 # --- writing a run's index -------------------------------------------------------------------------------
 
 
+def _hasher(params: MinHashParams | None) -> MinHasher | None:
+    """The index's MinHasher (None for an index without signatures)."""
+    return None if params is None else MinHasher(params.ngram, params.bands, params.rows, params.seed)
+
+
 class _IndexRows(beam.DoFn):
     """A batch of kept documents -> compact index rows (id, text hash, MinHash signature as little-endian
     uint32 bytes or None, distinct shingles or None), the signature computed as the fuzzy stage computes
@@ -444,11 +449,7 @@ class _IndexRows(beam.DoFn):
         self.params = params
 
     def setup(self):
-        self.hasher = (
-            None
-            if self.params is None
-            else MinHasher(self.params.ngram, self.params.bands, self.params.rows, self.params.seed)
-        )
+        self.hasher = _hasher(self.params)
 
     def process(self, batch: list[dict]):
         if self.hasher is None:
@@ -482,11 +483,7 @@ class _WriteShard(beam.DoFn):
         self.params = params
 
     def setup(self):
-        self.hasher = (
-            None
-            if self.params is None
-            else MinHasher(self.params.ngram, self.params.bands, self.params.rows, self.params.seed)
-        )
+        self.hasher = _hasher(self.params)
 
     def _table(self, rows: list[tuple]) -> pa.Table:
         ids, hashes, band_keys, signatures, shingles = [], [], [], [], []
