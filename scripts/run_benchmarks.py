@@ -25,7 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated script names (without .py)")
     args = parser.parse_args(argv)
-    scripts = sorted((REPO / "bench").glob("*.py"))
+    # A bench runs as a script; a module the benches import (bench/run_profile.py) is not one.
+    scripts = [
+        script
+        for script in sorted((REPO / "bench").glob("*.py"))
+        if 'if __name__ == "__main__":' in script.read_text()
+    ]
     if args.only:
         wanted = set(args.only.split(","))
         scripts = [script for script in scripts if script.stem in wanted]
