@@ -135,7 +135,6 @@ class SharedWordTokenizer(WordTokenizer):
         self._batch: dict[str, None] = {}
         self._unsplittable: set[str] = set()
         self._zone = ExitStack()
-        self._focus: _Split | None = None
         self._focus_text: str | None = None
         self.splits = 0
         self.split_seconds = 0.0
@@ -162,7 +161,7 @@ class SharedWordTokenizer(WordTokenizer):
         self._splits = {text: self._splits[text] for text in self._words if text in self._splits}
         self._batch = batch
         self._unsplittable = set()
-        self._focus = self._focus_text = None
+        self._focus_text = None
         # Inside a memory zone spaCy frees the batch's new strings when it ends (at the next batch);
         # everything needed later is copied out (Python strings and ints) as each text is split.
         self._zone.close()
@@ -193,7 +192,6 @@ class SharedWordTokenizer(WordTokenizer):
     def focus(self, text: str) -> None:
         """Name the document the next span_tokenize calls are about (its lines are answered from it)."""
         self._focus_text = text
-        self._focus = None
 
     def word_tokenize(self, text: str) -> list[str]:
         words = self._words.get(text)
@@ -217,9 +215,7 @@ class SharedWordTokenizer(WordTokenizer):
         if split is not None:
             split.unpack()
             return self._sentences(split, 0, len(split.starts), 0)
-        if self._focus is None and self._focus_text is not None:
-            self._focus = self._split(self._focus_text)
-        focus = self._focus
+        focus = self._split(self._focus_text) if self._focus_text is not None else None
         if focus is not None:
             if focus.lines is None:
                 focus.unpack()

@@ -496,24 +496,21 @@ def build_pipeline(pipeline: beam.Pipeline, run: CurateRun) -> None:
         run.output, [curated_kind, *[removed_kind] * len(keyed_removed), rejected_kind], target
     )
 
-    entries = [
-        ("KeptStats", kept | "KeptStats" >> beam.FlatMap(_stat_entries, "kept", chars_per_token)),
+    entries = (
+        kept | "KeptStats" >> beam.FlatMap(_stat_entries, "kept", chars_per_token),
         *(
-            (
-                f"RemovedStats{index}",
-                part | f"RemovedStats{index}" >> beam.FlatMap(_stat_entries, "removed", chars_per_token),
-            )
+            part | f"RemovedStats{index}" >> beam.FlatMap(_stat_entries, "removed", chars_per_token)
             for index, part in enumerate(removed)
         ),
-        (
-            "RejectedStats",
-            rejected | "RejectedStats" >> beam.FlatMap(_stat_entries, "rejected", chars_per_token),
-        ),
-        ("CountRead", read_stats),
-    ]
+        rejected | "RejectedStats" >> beam.FlatMap(_stat_entries, "rejected", chars_per_token),
+        read_stats,
+    )
     # Summed per bundle where the documents are, so the Flatten carries a few sums, not an entry a document.
     outcome_stats = (
-        tuple(part | f"{label}PerBundle" >> beam.ParDo(SumPerBundle(_add_triples)) for label, part in entries)
+        tuple(
+            part | f"StatsPerBundle{index}" >> beam.ParDo(SumPerBundle(_add_triples))
+            for index, part in enumerate(entries)
+        )
         | "AllStats" >> beam.Flatten()
     )
     # stats.json marks a finished run, so it waits for every file: the file list is its side input.

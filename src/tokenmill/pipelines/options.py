@@ -250,8 +250,10 @@ def start_warm_workers(args: argparse.Namespace, modules: Sequence[str] = ()) ->
     if args.runner != "local" or getattr(args, "dry_run", False):
         return None
     workers = local_worker_count(args.workers)
-    flags = " ".join(args.beam_option)
-    if workers < 2 or "direct_running_mode" in flags or "environment_type" in flags:
+    chosen = any(
+        _beam_option_value(args.beam_option, name) for name in ("direct_running_mode", "environment_type")
+    )
+    if workers < 2 or chosen:
         return None  # one in-process worker, or workers the user chose
     from tokenmill.pipelines.warm_workers import WarmWorkers
 
