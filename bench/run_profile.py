@@ -89,13 +89,24 @@ def profiled_env(folder: Path, extra_path: Path) -> dict[str, str]:
 
 
 def start_if_asked() -> None:
-    """Profile every thread of this process when PROFILE_DIR is set (called from sitecustomize)."""
+    """Profile every thread of this process when PROFILE_DIR is set (called from sitecustomize); a
+    process forked from it (a warm pool's workers) profiles itself into its own file from the fork on."""
     folder = os.environ.get(PROFILE_DIR)
     if not folder:
         return
+    _start_profiling(Path(folder))
+
+    def restart_in_child() -> None:
+        sys.setprofile(None)  # the parent's profile of the forking thread: its time is the parent's
+        _start_profiling(Path(folder))
+
+    os.register_at_fork(after_in_child=restart_in_child)
+
+
+def _start_profiling(folder: Path) -> None:
     profiles: list[cProfile.Profile] = []
     lock = threading.Lock()
-    target = Path(folder) / f"{os.getpid()}.prof"
+    target = folder / f"{os.getpid()}.prof"
     command = " ".join(getattr(sys, "orig_argv", sys.argv))
 
     def dump() -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 import apache_beam as beam
 import pytest
@@ -15,6 +17,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from tokenmill.pipelines.local_runner import (
     BEAM_WORKER_COMMAND,
+    BUNDLES_AHEAD,
     BUNDLES_PER_WORKER,
     WORKER_COMMAND,
     WORKER_MALLOC_ARENAS,
@@ -22,6 +25,7 @@ from tokenmill.pipelines.local_runner import (
     pack_bundles,
     use_tokenmill_worker,
 )
+from tokenmill.pipelines.local_worker import STATE_SAMPLING_MS
 
 #: Elements of about 200 encoded bytes: a 4 KiB bound holds about 20 of them.
 PAYLOAD = "x" * 190
@@ -172,7 +176,58 @@ def test_workers_run_tokenmills_worker_main_unless_the_pipeline_names_its_own():
     proto = beam_runner_api_pb2.Pipeline()
     proto.components.environments["other"].CopyFrom(other)
     proto.components.environments["beams"].CopyFrom(beams)
-    use_tokenmill_worker(proto)
+    assert use_tokenmill_worker(proto) is False  # one worker is not tokenmill's: no bundles sent ahead
     environments = proto.components.environments
     assert environments["other"].payload == b"python -m my.worker"
     assert environments["beams"].payload == WORKER_COMMAND
+    alone = beam_runner_api_pb2.Pipeline()
+    alone.components.environments["beams"].CopyFrom(beams)
+    assert use_tokenmill_worker(alone) is True
+
+
+def test_bundles_sent_ahead_take_turns_in_their_worker_and_end_without_waiting_for_the_sampler(tmp_path):
+    # Defined here, so that it is pickled by value: the worker processes cannot import this module.
+    class BundleSpans(beam.DoFn):
+        """Writes (worker pid, first and last moment of the bundle, the state sampler's period) of each
+        bundle to a file of its own in `folder` (the test reads them back: workers are other processes)."""
+
+        def __init__(self, folder: str) -> None:
+            self.folder = folder
+
+        def start_bundle(self):
+            self.started = time.monotonic()
+            self.seen = 0
+
+        def process(self, element):
+            time.sleep(0.002)  # long enough for a bundle sent ahead to arrive while this one runs
+            self.seen += 1
+
+        def finish_bundle(self):
+            from apache_beam.runners.worker import statesampler
+
+            if not self.seen:
+                return
+            period = statesampler.get_current_tracker().sampling_period_ms
+            span = [os.getpid(), self.started, time.monotonic(), period]
+            path = os.path.join(self.folder, f"{os.getpid()}-{time.monotonic_ns()}.json")
+            with open(path, "w") as handle:
+                json.dump(span, handle)
+
+    options = PipelineOptions(["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
+    runner = BoundedBundleFnApiRunner(max_bundle_bytes=MAX_BUNDLE_BYTES)
+    with beam.Pipeline(runner=runner, options=options) as pipeline:
+        _ = (
+            pipeline
+            | beam.Create([f"{index}{PAYLOAD}" for index in range(600)])
+            | beam.ParDo(BundleSpans(str(tmp_path)))
+        )
+    assert runner._bundles_ahead == BUNDLES_AHEAD == 1
+    spans = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
+    by_worker: dict[int, list] = {}
+    for pid, started, ended, period in spans:
+        by_worker.setdefault(pid, []).append((started, ended))
+        assert period == STATE_SAMPLING_MS  # Beam's default would be 200 ms
+    assert len(by_worker) == 2 and len(spans) >= 2 * BUNDLES_PER_WORKER
+    for intervals in by_worker.values():  # one bundle at a time in each worker, though two were sent
+        intervals.sort()
+        assert all(ended <= next_started for (_, ended), (next_started, _) in zip(intervals, intervals[1:]))

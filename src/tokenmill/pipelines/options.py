@@ -244,17 +244,18 @@ def pipeline_flags(args: argparse.Namespace) -> list[str]:
 
 
 def start_warm_workers(args: argparse.Namespace, modules: Sequence[str] = ()) -> WarmWorkers | None:
-    """Worker processes for a local run with several workers, started now so that their imports of
-    `modules` overlap the launcher's (tokenmill.pipelines.warm_workers); None for any other run. Close
-    it (or use it as a context manager) whether or not the run starts."""
+    """A pool of worker processes for a local run with several workers, whose template starts now so
+    that its imports of `modules` overlap the launcher's (tokenmill.pipelines.warm_workers); None for any
+    other run, and where the system cannot fork and watch processes (Linux's pidfds). Close it (or use
+    it as a context manager) whether or not the run starts."""
     if args.runner != "local" or getattr(args, "dry_run", False):
         return None
     workers = local_worker_count(args.workers)
     chosen = any(
         _beam_option_value(args.beam_option, name) for name in ("direct_running_mode", "environment_type")
     )
-    if workers < 2 or chosen:
-        return None  # one in-process worker, or workers the user chose
+    if workers < 2 or chosen or not hasattr(os, "pidfd_open"):
+        return None  # one in-process worker, workers the user chose, or a system without pidfds
     from tokenmill.pipelines.warm_workers import WarmWorkers
 
     return WarmWorkers(workers, modules)
