@@ -9,8 +9,9 @@ Dataflow workers read bundles of bounded size instead. Here each stage's input i
 most `max_bundle_bytes` (encoded; 8 MiB by default, about 3,000 web documents: per-bundle costs vanish,
 and a stage of 10k documents already fills its bundles), as many as that takes and at least
 BUNDLES_PER_WORKER per worker where there are as many elements, shrinking toward the stage's end
-(`pack_bundles`), and every worker process runs one bundle at a time, taking the next one when it is
-free. The runner (the launcher process) still holds every
+(`pack_bundles`), and every worker process runs one bundle at a time, with the next one already sent
+to it (BUNDLES_AHEAD), so it starts that one the moment it finishes. The runner (the launcher process)
+still holds every
 stage's input and output, as before: it is this runner's shuffle, what Dataflow's shuffle service holds
 on Dataflow.
 
@@ -19,10 +20,10 @@ when a stage has fewer chunks than bundles, between elements; a GroupByKey's out
 key's group is never split (a group larger than the bound is one bundle). What a pipeline computes does
 not depend on its bundles, so the output is the same as with Beam's own split.
 
-Each worker process runs tokenmill.pipelines.local_worker (Beam's worker main, then an exit without the
-interpreter's teardown), and where the command started warm workers (tokenmill.pipelines.warm_workers)
-the runner gives each of its worker slots one of those, already past its imports, instead of starting a
-cold one.
+Each worker process runs tokenmill.pipelines.local_worker (Beam's worker main, taking bundles sent ahead
+in turn, then an exit without the interpreter's teardown), and where the command started a warm pool
+(tokenmill.pipelines.warm_workers) the runner gives each of its worker slots a worker forked from the
+pool's template, already past its imports, instead of starting a cold one.
 
 The worker processes start with glibc's `MALLOC_ARENA_MAX=2` (unless the environment sets it): an SDK
 worker runs its bundles and its gRPC channels on several threads, glibc gives each thread that contends
@@ -31,7 +32,8 @@ worker's resident memory crept up stage after stage with the corpus (curate_scal
 at 10k, 797 at 40k; 620 at 40k with two arenas).
 
 Memory at 10 TB: this is a one-machine runner; per worker process, one bundle (`max_bundle_bytes`) in
-flight plus what its DoFns hold, whatever the corpus; the launcher holds a stage's data whole.
+flight and one bundle's input waiting, plus what its DoFns hold, whatever the corpus; the launcher holds
+a stage's data whole.
 """
 
 from __future__ import annotations
