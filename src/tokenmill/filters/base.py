@@ -33,8 +33,9 @@ class DocumentStep(ABC):
 
     def warm_up_calls(self) -> list[tuple[str, tuple[str, ...]]]:
         """`module:function` calls, with string arguments, that do this step's per-process set-up ahead
-        of time: a local run's warm workers make them while the launcher builds the job
-        (tokenmill.pipelines.warm_workers), and `setup()` then finds their work done. None by default."""
+        of time: a local run's warm pool makes them in the workers' template while the launcher builds
+        the job (tokenmill.pipelines.warm_workers), and `setup()` in each forked worker then finds their
+        work done. None by default."""
         return []
 
     @abstractmethod

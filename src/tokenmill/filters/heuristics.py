@@ -274,8 +274,8 @@ _SHARED_LOCK = threading.Lock()
 
 
 def shared_word_tokenizer(language: str = "en") -> SharedWordTokenizer:
-    """The worker-wide tokenizer for `language` (one per process, so that all filters share its cache;
-    a warm worker may be making it on another thread when a step's set-up asks)."""
+    """The worker-wide tokenizer for `language` (one per process, so that all filters share its cache; a
+    warm pool's template makes it before it forks the workers, tokenmill.pipelines.warm_workers)."""
     with _SHARED_LOCK:
         if language not in _SHARED:
             _SHARED[language] = SharedWordTokenizer(language)

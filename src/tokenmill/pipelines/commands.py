@@ -123,7 +123,8 @@ def check_output(output: str, overwrite: bool) -> list[str]:
 def run_curate(args: argparse.Namespace) -> int:
     from tokenmill.pipelines.options import start_warm_workers
 
-    # First, before Beam is imported here: local workers start and import while this process builds the job.
+    # First, before Beam is imported here: the workers' template starts and imports while this process
+    # builds the job.
     warm_workers = start_warm_workers(args, CURATE_WORKER_MODULES)
     try:
         return _run_curate(args, warm_workers)

@@ -106,15 +106,18 @@ def _call(name: str, args: list[str]) -> None:
 
 
 class _Template:
-    """The template's state: its workers by number, and their exit pipes (pidfds where Linux has them)."""
+    """The template's state: its running workers by number, and a pidfd for each (readable once it exits)."""
 
     def __init__(self, report_fd: int) -> None:
         self.report_fd = report_fd
         self.running: dict[int, int] = {}  # worker number -> pid, until reaped
-        self.exit_fds: dict[int, int] = {}  # readable when the worker exits -> worker number
+        self.exit_fds: dict[int, int] = {}  # pidfd -> worker number
 
     def report(self, **fields) -> None:
-        os.write(self.report_fd, (json.dumps(fields) + "\n").encode())
+        try:
+            os.write(self.report_fd, (json.dumps(fields) + "\n").encode())
+        except BrokenPipeError:  # the launcher is gone; its workers end with their job's channels
+            pass
 
     def fork(self, number: int, environment: dict[str, str]) -> None:
         sys.stdout.flush()
