@@ -90,9 +90,12 @@ class SumPerBundle(beam.DoFn):
     def start_bundle(self) -> None:
         self.sums: dict = {}
 
-    def process(self, pair: tuple) -> None:
+    def process(self, pair: tuple) -> Iterable[Any]:
+        # Nothing is emitted per element; Beam (2.78 on) refuses a DoFn whose process is hinted to
+        # return None, so the empty output is said as an empty iterable.
         key, value = pair
         self.sums[key] = self.add(self.sums[key], value) if key in self.sums else value
+        return ()
 
     def finish_bundle(self):
         for key, total in self.sums.items():
