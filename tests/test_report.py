@@ -13,6 +13,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tokenmill.mixtures
 from tokenmill.cli import main
@@ -401,6 +403,65 @@ def test_sample_indices_are_uniform_and_seeded() -> None:
     assert max(hits.values()) < 1150 and min(hits.values()) > 850
 
 
+@pytest.mark.parametrize("samples", [0, 7, 40, 500])
+def test_a_cell_scan_counts_every_row_and_samples_across_files_and_row_groups(
+    tmp_path: Path, samples: int
+) -> None:
+    """Three files of uneven row groups (one file with no rows), null sources, sizes and pii: the
+    counts equal a plain count of the rows, and the samples are the rows sample_indices picks, whether
+    every row group, some or none of a file holds one (each file is read once or in two parts)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tokenmill.formats.documents import DOCUMENT_SCHEMA, PII_KINDS, cluster_size_bin
+    from tokenmill.reports.inputs import SAMPLE_COLUMNS, scan_cell
+
+    rows = []
+    for n in range(230):
+        pii = None if n % 3 == 0 else {kind: (n + k) % 4 // 3 for k, kind in enumerate(PII_KINDS)}
+        rows.append(
+            {
+                "id": f"doc-{n}",
+                "text": f"text {n} " * (n % 5 + 1),
+                "source": None if n % 11 == 0 else f"source-{n % 4}",
+                "url": f"https://example.org/{n}",
+                "language": "en",
+                "quality_score": n / 256,  # exact in float32
+                "n_chars": n * 3,
+                "dup_cluster_size": None if n % 7 == 0 else n % 13 + 1,
+                "pii": pii,
+            }
+        )
+    sizes = [(0, 0, 1), (0, 150, 16), (150, 150, 100), (150, 230, 9)]  # (first, end, row group size)
+    files = []
+    for number, (first, end, group) in enumerate(sizes):
+        path = tmp_path / f"part-{number}.parquet"
+        table = pa.Table.from_pylist(rows[first:end], schema=DOCUMENT_SCHEMA)
+        pq.write_table(table, path, row_group_size=group)
+        files.append(str(path))
+    scan = scan_cell("domain=web/quality=2", files, samples=samples, seed=5)
+
+    picked = sample_indices(len(rows), samples, 5, "domain=web/quality=2")
+    assert scan.samples == [{c: rows[i].get(c) for c in SAMPLE_COLUMNS} for i in picked]
+    assert scan.documents == len(rows) and scan.characters == sum(r["n_chars"] for r in rows)
+    by_source = Counter(r["source"] or "(none)" for r in rows)
+    assert {name: count.documents for name, count in scan.sources.items()} == by_source
+    chars = Counter()
+    for r in rows:
+        chars[r["source"] or "(none)"] += r["n_chars"]
+    assert {name: count.characters for name, count in scan.sources.items()} == chars
+    bins = Counter(cluster_size_bin(r["dup_cluster_size"] or 1) for r in rows)
+    assert scan.cluster_sizes == dict(bins) and list(scan.cluster_sizes) == sorted(
+        bins, key=lambda b: int(b.split("-")[0])
+    )
+    assert scan.represented == sum(r["dup_cluster_size"] or 1 for r in rows)
+    checked = [r for r in rows if r["pii"] is not None]
+    assert scan.pii["documents_checked"] == len(checked)
+    assert scan.pii["documents_with_pii"] == sum(1 for r in checked if any(r["pii"].values()))
+    for kind in PII_KINDS:
+        assert scan.pii[kind] == sum(r["pii"][kind] for r in checked)
+
+
 def test_safe_href_keeps_only_web_links() -> None:
     assert safe_href("https://example.org/a?b=1") == "https://example.org/a?b=1"
     for bad in (
@@ -415,6 +476,29 @@ def test_safe_href_keeps_only_web_links() -> None:
         "java\nscript:alert(1)",
     ):
         assert safe_href(bad) == ""
+
+
+@given(
+    st.text(alphabet="hHtTpPsS:/.-_@?#[]% aZ09\u00e9\uff0f\x01", max_size=30).map(
+        lambda tail: tail if tail[:1] in "hH" else "http" + tail
+    )
+)
+@settings(max_examples=2000, deadline=None)
+def test_safe_href_agrees_with_urlsplit_on_every_url(url: str) -> None:
+    """The fast path for plain web URLs gives what urlsplit's reading gives, on URLs made to sit at its
+    edges (hosts with @, brackets, ports, non-ASCII slashes, spaces and control characters)."""
+    from urllib.parse import urlsplit
+
+    def by_urlsplit(value: str) -> str:
+        if any(c in value for c in "\x00\n\r\t\\"):
+            return ""
+        try:
+            parts = urlsplit(value.strip())
+        except ValueError:
+            return ""
+        return value.strip() if parts.scheme.lower() in ("http", "https") and parts.netloc else ""
+
+    assert safe_href(url) == by_urlsplit(url)
 
 
 def test_plan_tools() -> None:

@@ -12,6 +12,7 @@ count), so the same inputs give the same page.
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import os
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -191,38 +193,82 @@ def _row_count(files: Sequence[str]) -> int:
     return sum(_parquet(path).metadata.num_rows for path in files)
 
 
+SAMPLE_COLUMNS = ("id", "text", "source", "url", "n_chars", "quality_score", "language")
+
+
 def scan_cell(
     cell: str, files: Sequence[str], *, samples: int, seed: int, contamination: bool = False
 ) -> CellScan:
     """Counts by source (from the `source` and `n_chars` columns, and `dup_cluster_size` and `pii` where
     the files have them) and a seeded uniform sample of rows; with `contamination`, also the rows whose
-    `metadata` holds the decontam stage's annotation (flagged documents), read in the same pass."""
+    `metadata` holds the decontam stage's annotation (flagged documents).
+
+    Each file is opened once and, where every row group holds a sampled row (the common case: a cell's
+    files are few row groups each), read once for counts and samples together; elsewhere the count
+    columns are read whole and the sample columns only from the row groups with a sampled row. Memory:
+    one file's count columns plus the sampled row groups' text, whatever the cell's size. Reads stay on
+    the calling thread (no Arrow thread pool under each): build_overview scans several cells at once."""
     scan = CellScan(cell=cell)
-    tables: dict[str, list[pa.Table]] = {}  # by schema: the files of a cell are counted together
-    for path in files:
-        parquet = _parquet(path)
-        names = parquet.schema_arrow.names
-        missing = {"source", "n_chars"} - set(names)
+    parquets = [(path, _parquet(path)) for path in files]
+    for path, parquet in parquets:
+        missing = {"source", "n_chars"} - set(parquet.schema_arrow.names)
         if missing:
             raise InputError(f"{path}: missing column(s) {', '.join(sorted(missing))} (see docs/formats.md)")
+    total = sum(parquet.metadata.num_rows for _, parquet in parquets)
+    wanted = sample_indices(total, samples, seed, cell)
+    tables: dict[str, list[pa.Table]] = {}  # by schema: the files of a cell are counted together
+    cursor = 0
+    for path, parquet in parquets:
+        names = parquet.schema_arrow.names
         columns = ["source", "n_chars", *(c for c in (CLUSTER_SIZE, PII) if c in names)]
-        table = parquet.read(
-            columns=columns + (["metadata"] if contamination and "metadata" in names else [])
-        )
-        if "metadata" in table.column_names:
+        extra = ["metadata"] if contamination and "metadata" in names else []
+        sample_columns = [c for c in SAMPLE_COLUMNS if c in names]
+        # Sampled rows of this file, by position in the file, and the row groups they fall in.
+        first, end = scan.documents, scan.documents + parquet.metadata.num_rows
+        local = []
+        while cursor < len(wanted) and wanted[cursor] < end:
+            local.append(wanted[cursor] - first)
+            cursor += 1
+        starts = [0]
+        for group in range(parquet.num_row_groups):
+            starts.append(starts[-1] + parquet.metadata.row_group(group).num_rows)
+        groups = sorted({bisect.bisect_right(starts, row) - 1 for row in local})
+        try:
+            if local and len(groups) == parquet.num_row_groups:
+                table = parquet.read(
+                    columns=list(dict.fromkeys(columns + sample_columns + extra)), use_threads=False
+                )
+                sampled = table.select(sample_columns).take(pa.array(local, type=pa.int64()))
+            else:
+                table = parquet.read(columns=columns + extra, use_threads=False)
+                sampled = None
+                if local:
+                    # The sampled row groups are read back to back: a row's place is its group's place
+                    # there plus its place in the group.
+                    part = parquet.read_row_groups(groups, columns=sample_columns, use_threads=False)
+                    group_first, placed = {}, 0
+                    for group in groups:
+                        group_first[group] = placed
+                        placed += starts[group + 1] - starts[group]
+                    positions = []
+                    for row in local:
+                        group = bisect.bisect_right(starts, row) - 1
+                        positions.append(group_first[group] + row - starts[group])
+                    sampled = part.take(pa.array(positions, type=pa.int64()))
+        except (OSError, pa.ArrowException) as error:
+            raise InputError(f"{path}: not a readable Parquet file ({error})") from error
+        if sampled is not None:
+            scan.samples.extend({c: row.get(c) for c in SAMPLE_COLUMNS} for row in sampled.to_pylist())
+        if extra:
             scan.contaminated.extend(
                 (scan.documents + row, annotation)
                 for row, annotation in contamination_annotations(table["metadata"])
             )
-            table = table.select(columns)
+        table = table.select(columns)
         tables.setdefault(table.schema.to_string(), []).append(table)
         scan.documents += table.num_rows
     for group in tables.values():
         _count_table(scan, pa.concat_tables(group))
-    indices = sample_indices(scan.documents, samples, seed, cell)
-    scan.samples = read_rows(
-        files, indices, ["id", "text", "source", "url", "n_chars", "quality_score", "language"]
-    )
     scan.sources = dict(sorted(scan.sources.items()))
     scan.cluster_sizes = sorted_bins(scan.cluster_sizes)
     for count in scan.sources.values():
@@ -232,22 +278,37 @@ def scan_cell(
 
 def _count_table(scan: CellScan, table: pa.Table) -> None:
     """Add a cell's rows (one or several files with the same columns) to its counts: documents,
-    characters and personal data per source in one grouping, the cluster sizes in another."""
-    table = table.set_column(0, "source", pc.fill_null(table["source"], "(none)"))
-    pii = pii_columns(table[PII]) if PII in table.column_names else {}
-    grouped = pa.table({"source": table["source"], "n_chars": table["n_chars"], **pii}).group_by("source")
-    aggregates = [("n_chars", "sum"), ("n_chars", "count", pc.CountOptions(mode="all"))]
-    for row in grouped.aggregate(aggregates + [(key, "sum") for key in pii]).to_pylist():
-        count = scan.sources.setdefault(row["source"], SourceCount())
-        count.documents += int(row["n_chars_count"])
-        count.characters += int(row["n_chars_sum"] or 0)
-        numbers = {key: int(row[f"{key}_sum"] or 0) for key in pii}
+    characters and personal data per source, and the cluster sizes.
+
+    Grouped with numpy over the dictionary codes of `source`: a cell is one small grouping, and acero's
+    fixed cost per grouping was most of a small cell's counting. Memory: a few integers per row."""
+    source = pc.fill_null(table["source"], "(none)").combine_chunks().dictionary_encode()
+    names = source.dictionary.to_pylist()
+    codes = source.indices.to_numpy(zero_copy_only=False)
+    documents = np.bincount(codes, minlength=len(names))
+    characters = _sum_by(codes, table["n_chars"], len(names))
+    pii = {
+        key: _sum_by(codes, values, len(names))
+        for key, values in (pii_columns(table[PII]) if PII in table.column_names else {}).items()
+    }
+    for code, name in enumerate(names):
+        count = scan.sources.setdefault(name, SourceCount())
+        count.documents += int(documents[code])
+        count.characters += int(characters[code])
+        numbers = {key: int(sums[code]) for key, sums in pii.items()}
         if numbers.get("documents_checked"):
             add_numbers(count.pii, numbers)
             add_numbers(scan.pii, numbers)
-    scan.characters += int(pc.sum(table["n_chars"]).as_py() or 0)
+    scan.characters += int(characters.sum())
     if CLUSTER_SIZE in table.column_names:
-        _count_cluster_sizes(scan, table)
+        _count_cluster_sizes(scan, names, codes, table[CLUSTER_SIZE])
+
+
+def _sum_by(codes: np.ndarray, values: pa.ChunkedArray, groups: int) -> np.ndarray:
+    """Sums of an integer column per group code (nulls count 0), exact in int64."""
+    sums = np.zeros(groups, dtype=np.int64)
+    np.add.at(sums, codes, pc.fill_null(values, 0).to_numpy().astype(np.int64, copy=False))
+    return sums
 
 
 def add_numbers(total: dict[str, int], numbers: dict[str, int]) -> None:
@@ -261,14 +322,16 @@ def sorted_bins(histogram: dict[str, int]) -> dict[str, int]:
     return dict(sorted(histogram.items(), key=lambda item: int(item[0].split("-", 1)[0])))
 
 
-def _count_cluster_sizes(scan: CellScan, table: pa.Table) -> None:
-    """Add one file's `dup_cluster_size` column to the cell's histogram and its sources' (a null counts
-    as 1)."""
-    sizes = pa.table({"source": table["source"], "size": pc.fill_null(table[CLUSTER_SIZE], 1)})
-    for row in sizes.group_by(["source", "size"]).aggregate([("size", "count")]).to_pylist():
-        size, count = int(row["size"]), int(row["size_count"])
+def _count_cluster_sizes(
+    scan: CellScan, names: list[str], codes: np.ndarray, column: pa.ChunkedArray
+) -> None:
+    """Add a cell's `dup_cluster_size` column (a null counts as 1) to its histogram and its sources',
+    `codes` being each row's source in `names`."""
+    sizes = pc.fill_null(column, 1).to_numpy().astype(np.int64, copy=False)
+    pairs, counts = np.unique(np.stack([codes.astype(np.int64), sizes], axis=1), axis=0, return_counts=True)
+    for (code, size), count in zip(pairs.tolist(), counts.tolist(), strict=True):
         size_bin = cluster_size_bin(size)
-        source = scan.sources.setdefault(row["source"], SourceCount())
+        source = scan.sources.setdefault(names[code], SourceCount())
         for histogram in (scan.cluster_sizes, source.cluster_sizes):
             histogram[size_bin] = histogram.get(size_bin, 0) + count
         scan.represented += size * count

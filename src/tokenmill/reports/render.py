@@ -5,6 +5,7 @@ report recognises a folder an earlier one wrote (`check_output`, `is_earlier_pag
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 from importlib import resources
@@ -18,7 +19,10 @@ from tokenmill.reports.inputs import InputError
 GENERATOR = "tokenmill report"
 
 
+@functools.cache
 def _environment() -> jinja2.Environment:
+    """The one environment of the process: it keeps the compiled templates, so a page republished
+    while a run trains (the run page every few minutes) is not compiled again each time."""
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("tokenmill.reports", "templates"),
         # Autoescape everything, whatever the template's extension: document text is data, never markup.

@@ -104,94 +104,109 @@ def build_site(
     check_output(output)
     layout = locate_curate_output(curated)
     counts = read_token_counts(tokens)
-    overview = build_overview(layout, tokens, counts, plan, previous_plan, options)
-    run_page = build_run(run, ladder) if run else None
-    swarm_page = None
-    if swarm:
-        swarm_page = build_swarm(swarm)
-    swarm_name = swarm_page["name"] if swarm_page else ""
+    # The run page is made beside the overview (the overview's Parquet reads leave the GIL free); the
+    # files are written on the same threads, data/ while the pages render and the pages last, so a
+    # reader who opens a page mid-write finds the data it links to.
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="tokenmill-site") as pool:
+        run_future = pool.submit(build_run, run, ladder) if run else None
+        overview = build_overview(layout, tokens, counts, plan, previous_plan, options)
+        run_page = run_future.result() if run_future else None
+        swarm_page = None
+        if swarm:
+            swarm_page = build_swarm(swarm)
+        swarm_name = swarm_page["name"] if swarm_page else ""
 
-    outputs: dict[str, bytes] = {}
-    data_files: list[dict[str, Any]] = []
+        outputs: dict[str, bytes] = {}
+        data_files: list[dict[str, Any]] = []
 
-    def publish(relative: str, payload: bytes, label: str, group: str) -> None:
-        outputs[relative] = payload
-        data_files.append(
-            {
-                "href": relative,
-                "label": label,
-                "group": group,
-                "bytes": len(payload),
-                "sha256": hashlib.sha256(payload).hexdigest(),
-            }
-        )
-
-    # Copied byte for byte, so that a reader can compare them with the originals.
-    publish(
-        "data/tokens/counts.json",
-        _read_bytes(storage.join(tokens, COUNTS)),
-        "token counts per cell",
-        "tokens",
-    )
-    for cell, path in sorted(overview["manifests"].items()):
-        publish(f"data/tokens/{cell}/manifest.json", _read_bytes(path), f"manifest of {cell}", "manifests")
-    if overview["stats_path"]:
-        publish(
-            "data/curate/stats.json", _read_bytes(overview["stats_path"]), "curation statistics", "curate"
-        )
-    publish("data/mixture/plan.json", _json_bytes(plan.to_json()), "mixture plan", "mixture")
-    if previous_plan is not None:
-        publish(
-            "data/mixture/previous-plan.json",
-            _json_bytes(previous_plan.to_json()),
-            "previous mixture plan",
-            "mixture",
-        )
-    samples = b"".join(
-        (json.dumps(sample, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
-        for sample in overview["samples"]
-    )
-    publish(
-        "data/samples.jsonl", samples, "sample documents shown on the page (text cut to the preview)", "page"
-    )
-    publish(
-        "data/overview.json", _json_bytes(checked_overview(overview["data"])), "the page's numbers", "page"
-    )
-    if run_page:
-        for relative, payload, label in run_page["files"]:
-            publish(relative, payload, label, "run")
-    sums = "".join(
-        f"{f['sha256']}  {f['href'][len('data/') :]}\n" for f in sorted(data_files, key=lambda f: f["href"])
-    )
-    outputs["data/SHA256SUMS"] = sums.encode("utf-8")
-
-    counts_href = "data/tokens/counts.json"
-    outputs["index.html"] = render_template(
-        "index.html.j2",
-        title=title,
-        has_run=run_page is not None,
-        run_name=run_page["name"] if run_page else "",
-        swarm_name=swarm_name,
-        page="overview",
-        o=overview,
-        data_files=sorted(data_files, key=lambda f: (f["group"] != "tokens", f["group"], f["href"])),
-        counts_href=counts_href,
-        options=options,
-    )
-    if run_page:
-        outputs["run.html"] = render_run_page(run_page, title=title, swarm_name=swarm_name)
-    if swarm_page:
-        outputs["swarm.html"] = render_swarm_page(
-            swarm_page, has_overview=True, run_name=run_page["name"] if run_page else ""
-        )
-
-    # Each atomic write ends in an fsync, which waits on the disk and not the CPU: a few threads overlap them.
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(
-            pool.map(
-                lambda item: storage.write_bytes(storage.join(output, *item[0].split("/")), item[1]),
-                sorted(outputs.items()),
+        def publish(relative: str, payload: bytes, label: str, group: str) -> None:
+            outputs[relative] = payload
+            data_files.append(
+                {
+                    "href": relative,
+                    "label": label,
+                    "group": group,
+                    "bytes": len(payload),
+                    "sha256": hashlib.sha256(payload).hexdigest(),
+                }
             )
+
+        # Copied byte for byte, so that a reader can compare them with the originals.
+        publish(
+            "data/tokens/counts.json",
+            _read_bytes(storage.join(tokens, COUNTS)),
+            "token counts per cell",
+            "tokens",
         )
-    _remove_stale(output, set(outputs))
-    return SiteResult(output=output, files={k: len(v) for k, v in sorted(outputs.items())})
+        for cell, path in sorted(overview["manifests"].items()):
+            publish(
+                f"data/tokens/{cell}/manifest.json", _read_bytes(path), f"manifest of {cell}", "manifests"
+            )
+        if overview["stats_path"]:
+            publish(
+                "data/curate/stats.json", _read_bytes(overview["stats_path"]), "curation statistics", "curate"
+            )
+        publish("data/mixture/plan.json", _json_bytes(plan.to_json()), "mixture plan", "mixture")
+        if previous_plan is not None:
+            publish(
+                "data/mixture/previous-plan.json",
+                _json_bytes(previous_plan.to_json()),
+                "previous mixture plan",
+                "mixture",
+            )
+        encoder = json.JSONEncoder(sort_keys=True, ensure_ascii=False)  # one encoder for 10,000 lines
+        samples = "".join(encoder.encode(sample) + "\n" for sample in overview["samples"]).encode("utf-8")
+        publish(
+            "data/samples.jsonl",
+            samples,
+            "sample documents shown on the page (text cut to the preview)",
+            "page",
+        )
+        publish(
+            "data/overview.json",
+            _json_bytes(checked_overview(overview["data"])),
+            "the page's numbers",
+            "page",
+        )
+        if run_page:
+            for relative, payload, label in run_page["files"]:
+                publish(relative, payload, label, "run")
+        sums = "".join(
+            f"{f['sha256']}  {f['href'][len('data/') :]}\n"
+            for f in sorted(data_files, key=lambda f: f["href"])
+        )
+        outputs["data/SHA256SUMS"] = sums.encode("utf-8")
+
+        # Each atomic write ends in an fsync, which waits on the disk and not the CPU: a few threads overlap
+        # them, and overlap them with rendering the pages.
+        def write(item: tuple[str, bytes]) -> None:
+            storage.write_bytes(storage.join(output, *item[0].split("/")), item[1])
+
+        data_written = [pool.submit(write, item) for item in sorted(outputs.items())]
+        pages: dict[str, bytes] = {}
+        counts_href = "data/tokens/counts.json"
+        pages["index.html"] = render_template(
+            "index.html.j2",
+            title=title,
+            has_run=run_page is not None,
+            run_name=run_page["name"] if run_page else "",
+            swarm_name=swarm_name,
+            page="overview",
+            o=overview,
+            data_files=sorted(data_files, key=lambda f: (f["group"] != "tokens", f["group"], f["href"])),
+            counts_href=counts_href,
+            options=options,
+        )
+        if run_page:
+            pages["run.html"] = render_run_page(run_page, title=title, swarm_name=swarm_name)
+        if swarm_page:
+            pages["swarm.html"] = render_swarm_page(
+                swarm_page, has_overview=True, run_name=run_page["name"] if run_page else ""
+            )
+
+        for future in data_written:
+            future.result()
+        list(pool.map(write, sorted(pages.items())))
+        outputs.update(pages)
+        _remove_stale(output, set(outputs))
+        return SiteResult(output=output, files={k: len(v) for k, v in sorted(outputs.items())})
