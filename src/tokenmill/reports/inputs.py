@@ -174,19 +174,41 @@ def read_rows(files: Sequence[str], indices: Sequence[int], columns: Sequence[st
         if cursor >= len(wanted):
             break
         parquet = _parquet(path)
-        present = [c for c in columns if c in parquet.schema_arrow.names]
-        for group in range(parquet.num_row_groups):
-            group_rows = parquet.metadata.row_group(group).num_rows
-            local = []
-            while cursor < len(wanted) and wanted[cursor] < offset + group_rows:
-                local.append(wanted[cursor] - offset)
-                cursor += 1
-            if local:
-                table = parquet.read_row_group(group, columns=present).take(pa.array(local, type=pa.int64()))
-                for row in table.to_pylist():
-                    rows.append({c: row.get(c) for c in columns})
-            offset += group_rows
+        end = offset + parquet.metadata.num_rows
+        local = []
+        while cursor < len(wanted) and wanted[cursor] < end:
+            local.append(wanted[cursor] - offset)
+            cursor += 1
+        rows.extend(_file_rows(parquet, local, columns))
+        offset = end
     return rows
+
+
+def _file_rows(parquet: pq.ParquetFile, local: Sequence[int], columns: Sequence[str]) -> list[dict[str, Any]]:
+    """Rows at positions `local` (sorted) of one file, reading only the row groups that hold them (on the
+    calling thread: build_overview scans several cells at once)."""
+    present = [c for c in columns if c in parquet.schema_arrow.names]
+    rows: list[dict[str, Any]] = []
+    offset = 0
+    cursor = 0
+    for group in range(parquet.num_row_groups):
+        if cursor >= len(local):
+            break
+        group_rows = parquet.metadata.row_group(group).num_rows
+        in_group = []
+        while cursor < len(local) and local[cursor] < offset + group_rows:
+            in_group.append(local[cursor] - offset)
+            cursor += 1
+        if in_group:
+            table = parquet.read_row_group(group, columns=present, use_threads=False)
+            rows.extend(_as_rows(table.take(pa.array(in_group, type=pa.int64())), columns))
+        offset += group_rows
+    return rows
+
+
+def _as_rows(table: pa.Table, columns: Sequence[str]) -> list[dict[str, Any]]:
+    """A table's rows as dicts of `columns`, None for a column the table lacks."""
+    return [{c: row.get(c) for c in columns} for row in table.to_pylist()]
 
 
 def _row_count(files: Sequence[str]) -> int:
@@ -223,42 +245,29 @@ def scan_cell(
         columns = ["source", "n_chars", *(c for c in (CLUSTER_SIZE, PII) if c in names)]
         extra = ["metadata"] if contamination and "metadata" in names else []
         sample_columns = [c for c in SAMPLE_COLUMNS if c in names]
-        # Sampled rows of this file, by position in the file, and the row groups they fall in.
+        # Sampled rows of this file, by position in the file.
         first, end = scan.documents, scan.documents + parquet.metadata.num_rows
         local = []
         while cursor < len(wanted) and wanted[cursor] < end:
             local.append(wanted[cursor] - first)
             cursor += 1
+        # One read for counts and samples where every row group holds a sampled row; else the count
+        # columns whole and the sampled rows from their row groups.
         starts = [0]
         for group in range(parquet.num_row_groups):
             starts.append(starts[-1] + parquet.metadata.row_group(group).num_rows)
-        groups = sorted({bisect.bisect_right(starts, row) - 1 for row in local})
+        groups = {bisect.bisect_right(starts, row) - 1 for row in local}
         try:
             if local and len(groups) == parquet.num_row_groups:
                 table = parquet.read(
                     columns=list(dict.fromkeys(columns + sample_columns + extra)), use_threads=False
                 )
-                sampled = table.select(sample_columns).take(pa.array(local, type=pa.int64()))
+                scan.samples.extend(_as_rows(table.take(pa.array(local, type=pa.int64())), SAMPLE_COLUMNS))
             else:
                 table = parquet.read(columns=columns + extra, use_threads=False)
-                sampled = None
-                if local:
-                    # The sampled row groups are read back to back: a row's place is its group's place
-                    # there plus its place in the group.
-                    part = parquet.read_row_groups(groups, columns=sample_columns, use_threads=False)
-                    group_first, placed = {}, 0
-                    for group in groups:
-                        group_first[group] = placed
-                        placed += starts[group + 1] - starts[group]
-                    positions = []
-                    for row in local:
-                        group = bisect.bisect_right(starts, row) - 1
-                        positions.append(group_first[group] + row - starts[group])
-                    sampled = part.take(pa.array(positions, type=pa.int64()))
+                scan.samples.extend(_file_rows(parquet, local, SAMPLE_COLUMNS))
         except (OSError, pa.ArrowException) as error:
             raise InputError(f"{path}: not a readable Parquet file ({error})") from error
-        if sampled is not None:
-            scan.samples.extend({c: row.get(c) for c in SAMPLE_COLUMNS} for row in sampled.to_pylist())
         if extra:
             scan.contaminated.extend(
                 (scan.documents + row, annotation)

@@ -108,75 +108,67 @@ def build_site(
     # Not beside the overview on a thread: a thread busy in Python makes every system call of the other
     # wait for the interpreter lock (listing the 400 curated files took 1.8 s instead of 7 ms).
     run_page = build_run(run, ladder) if run else None
+    swarm_page = None
+    if swarm:
+        swarm_page = build_swarm(swarm)
+    swarm_name = swarm_page["name"] if swarm_page else ""
+
+    outputs: dict[str, bytes] = {}
+    data_files: list[dict[str, Any]] = []
+
+    def publish(relative: str, payload: bytes, label: str, group: str) -> None:
+        outputs[relative] = payload
+        data_files.append(
+            {
+                "href": relative,
+                "label": label,
+                "group": group,
+                "bytes": len(payload),
+                "sha256": hashlib.sha256(payload).hexdigest(),
+            }
+        )
+
+    # Copied byte for byte, so that a reader can compare them with the originals.
+    publish(
+        "data/tokens/counts.json",
+        _read_bytes(storage.join(tokens, COUNTS)),
+        "token counts per cell",
+        "tokens",
+    )
+    for cell, path in sorted(overview["manifests"].items()):
+        publish(f"data/tokens/{cell}/manifest.json", _read_bytes(path), f"manifest of {cell}", "manifests")
+    if overview["stats_path"]:
+        publish(
+            "data/curate/stats.json", _read_bytes(overview["stats_path"]), "curation statistics", "curate"
+        )
+    publish("data/mixture/plan.json", _json_bytes(plan.to_json()), "mixture plan", "mixture")
+    if previous_plan is not None:
+        publish(
+            "data/mixture/previous-plan.json",
+            _json_bytes(previous_plan.to_json()),
+            "previous mixture plan",
+            "mixture",
+        )
+    encoder = json.JSONEncoder(sort_keys=True, ensure_ascii=False)  # one encoder for 10,000 lines
+    samples = "".join(encoder.encode(sample) + "\n" for sample in overview["samples"]).encode("utf-8")
+    publish(
+        "data/samples.jsonl", samples, "sample documents shown on the page (text cut to the preview)", "page"
+    )
+    publish(
+        "data/overview.json", _json_bytes(checked_overview(overview["data"])), "the page's numbers", "page"
+    )
+    if run_page:
+        for relative, payload, label in run_page["files"]:
+            publish(relative, payload, label, "run")
+    sums = "".join(
+        f"{f['sha256']}  {f['href'][len('data/') :]}\n" for f in sorted(data_files, key=lambda f: f["href"])
+    )
+    outputs["data/SHA256SUMS"] = sums.encode("utf-8")
+
     # The files are written on a few threads (each write ends in an fsync, which waits on the disk),
     # data/ while the pages render and the pages last, so a reader who opens a page mid-write finds the
     # data it links to.
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="tokenmill-site") as pool:
-        swarm_page = None
-        if swarm:
-            swarm_page = build_swarm(swarm)
-        swarm_name = swarm_page["name"] if swarm_page else ""
-
-        outputs: dict[str, bytes] = {}
-        data_files: list[dict[str, Any]] = []
-
-        def publish(relative: str, payload: bytes, label: str, group: str) -> None:
-            outputs[relative] = payload
-            data_files.append(
-                {
-                    "href": relative,
-                    "label": label,
-                    "group": group,
-                    "bytes": len(payload),
-                    "sha256": hashlib.sha256(payload).hexdigest(),
-                }
-            )
-
-        # Copied byte for byte, so that a reader can compare them with the originals.
-        publish(
-            "data/tokens/counts.json",
-            _read_bytes(storage.join(tokens, COUNTS)),
-            "token counts per cell",
-            "tokens",
-        )
-        for cell, path in sorted(overview["manifests"].items()):
-            publish(
-                f"data/tokens/{cell}/manifest.json", _read_bytes(path), f"manifest of {cell}", "manifests"
-            )
-        if overview["stats_path"]:
-            publish(
-                "data/curate/stats.json", _read_bytes(overview["stats_path"]), "curation statistics", "curate"
-            )
-        publish("data/mixture/plan.json", _json_bytes(plan.to_json()), "mixture plan", "mixture")
-        if previous_plan is not None:
-            publish(
-                "data/mixture/previous-plan.json",
-                _json_bytes(previous_plan.to_json()),
-                "previous mixture plan",
-                "mixture",
-            )
-        encoder = json.JSONEncoder(sort_keys=True, ensure_ascii=False)  # one encoder for 10,000 lines
-        samples = "".join(encoder.encode(sample) + "\n" for sample in overview["samples"]).encode("utf-8")
-        publish(
-            "data/samples.jsonl",
-            samples,
-            "sample documents shown on the page (text cut to the preview)",
-            "page",
-        )
-        publish(
-            "data/overview.json",
-            _json_bytes(checked_overview(overview["data"])),
-            "the page's numbers",
-            "page",
-        )
-        if run_page:
-            for relative, payload, label in run_page["files"]:
-                publish(relative, payload, label, "run")
-        sums = "".join(
-            f"{f['sha256']}  {f['href'][len('data/') :]}\n"
-            for f in sorted(data_files, key=lambda f: f["href"])
-        )
-        outputs["data/SHA256SUMS"] = sums.encode("utf-8")
 
         def write(item: tuple[str, bytes]) -> None:
             storage.write_bytes(storage.join(output, *item[0].split("/")), item[1])
@@ -206,6 +198,6 @@ def build_site(
         for future in data_written:
             future.result()
         list(pool.map(write, sorted(pages.items())))
-        outputs.update(pages)
-        _remove_stale(output, set(outputs))
-        return SiteResult(output=output, files={k: len(v) for k, v in sorted(outputs.items())})
+    outputs.update(pages)
+    _remove_stale(output, set(outputs))
+    return SiteResult(output=output, files={k: len(v) for k, v in sorted(outputs.items())})
