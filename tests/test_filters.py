@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import types
 
+import numpy as np
 import pyarrow.compute as pc
 import pytest
 from conftest import SAMPLE
 from datatrove.data import Document
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenmill.corpora.readers import read_file
 from tokenmill.corpora.records import InputFields
+from tokenmill.filters import heuristics
 from tokenmill.filters.heuristics import HeuristicFilter, datatrove_filter_class
 from tokenmill.filters.language import LanguageFilter
 from tokenmill.filters.normalize import Normalize
@@ -118,6 +124,59 @@ def test_language_filter_labels_and_removes():
     verdicts = LanguageFilter(languages=["en"], min_score=0.5).apply(documents)
     assert verdicts[0] is None and documents[0]["language"] == "en" and documents[0]["language_score"] > 0.9
     assert verdicts[1].reason == "language_not_kept" and verdicts[1].detail["language"] == "fr"
+
+
+@functools.cache
+def _py3langid() -> types.SimpleNamespace:
+    from py3langid.langid import MODEL_FILE, LanguageIdentifier
+
+    from tokenmill.filters.language import load_py3langid
+
+    return types.SimpleNamespace(
+        ours=load_py3langid(""), theirs=LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+    )
+
+
+def _their_counts_and_scores(text: str) -> tuple[dict, np.ndarray]:
+    """py3langid's own byte walk, and the scores tokenmill took from it before the walk went to numpy."""
+    from py3langid.langid import visit_counts
+
+    model = _py3langid().ours
+    encoded = model._encode(text)
+    visits = visit_counts(model.tk_nextmove, model._rowbase, model.tk_output, encoded) or {}
+    if not visits:
+        return visits, np.zeros(len(model.nb_classes), dtype=np.float32)
+    rows = model.nb_ptc[np.fromiter(visits.keys(), dtype=np.intp)].astype(np.float64)
+    rows *= np.array([math.log1p(count) for count in visits.values()])[:, None]
+    return visits, rows.sum(axis=0) + model.nb_pc
+
+
+def _assert_same_language_features(text: str) -> None:
+    model = _py3langid().ours
+    visits, scores = _their_counts_and_scores(text)
+    encoded = model._encode(text)
+    counts = collections.Counter(model._features(encoded).tolist())
+    assert list(counts.items()) == list(visits.items()), text[:80]  # same counts, same first-seen order
+    assert model._raw_score(encoded).tobytes() == scores.tobytes(), text[:80]
+
+
+def test_language_features_are_py3langids_own_on_the_sample_and_awkward_text():
+    """The numpy walk counts what py3langid's byte-at-a-time walk counts, and scores it bit for bit as
+    before; the verdicts are py3langid's."""
+    texts = [document["text"][:4000] for document in _normalized_sample()][:400]
+    texts += ["", "a", "ab", "abcde", "abcdef", "HELLO WORLD", "ÄÖÜ äöü", "日本語のテキストです", "\x00\uffff", "x" * 9000]
+    for text in texts:
+        _assert_same_language_features(text)
+    theirs = _py3langid().theirs
+    for text in texts[:100]:
+        language, score = _py3langid().ours.classify(text)
+        assert language == theirs.classify(text)[0] and score == pytest.approx(theirs.classify(text)[1], abs=1e-4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=60) | st.text(alphabet="abc \n.", max_size=60))
+def test_language_features_match_py3langid_on_any_text(text):
+    _assert_same_language_features(text)
 
 
 def test_recipe_errors_name_the_file_and_the_problem(tmp_path):
@@ -258,6 +317,9 @@ def test_the_whole_chain_splits_each_document_once_and_only_where_a_filter_asks(
     C4 asks about and the document's split does not answer (a line it edited, or one whose whitespace
     spaCy tokenizes apart from the line's words)."""
     documents = sample_texts()
+    # A worker-wide tokenizer of its own: one an earlier test primed would still hold that test's last
+    # batch, and texts it shares with this test's first batch would not be split again.
+    monkeypatch.setattr(heuristics, "_SHARED", {})
     steps = [HeuristicFilter(kind, {}) for kind in KINDS]
     for step in steps:
         step.setup()

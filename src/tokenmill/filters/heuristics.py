@@ -61,8 +61,8 @@ def datatrove_filter_class(kind: str) -> type:
 
 
 class _Split:
-    """One text's spaCy tokens, kept for the batch: their texts, and spaCy's (IDX, IS_PUNCT) per token as
-    one array, turned into lists only for a document whose sentences are asked for."""
+    """One text's spaCy tokens, kept for the batch: their texts, and spaCy's (IDX, LENGTH, IS_PUNCT) per
+    token as one array, turned into lists only for a document whose sentences are asked for."""
 
     __slots__ = ("texts", "attributes", "starts", "punct", "lines")
 
@@ -76,7 +76,7 @@ class _Split:
     def unpack(self) -> None:
         if self.attributes is not None:
             self.starts = self.attributes[:, 0].tolist()
-            self.punct = self.attributes[:, 1].tolist()
+            self.punct = self.attributes[:, 2].tolist()
             self.attributes = None
 
 
@@ -124,9 +124,9 @@ class SharedWordTokenizer(WordTokenizer):
         with torch_hidden():
             self._nlp = self._reference.tokenizer  # datatrove's blank spaCy pipeline with its sentencizer
         self._punct_chars = self._nlp.get_pipe("sentencizer").punct_chars
-        from spacy.attrs import IDX, IS_PUNCT  # spaCy loads with the tokenizer, not with the recipe
+        from spacy.attrs import IDX, IS_PUNCT, LENGTH  # spaCy loads with the tokenizer, not the recipe
 
-        self._attributes = [IDX, IS_PUNCT]
+        self._attributes = [IDX, LENGTH, IS_PUNCT]
         self._strings_at_start = len(self._nlp.vocab.strings)
         self._words: dict[str, list[str]] = {}
         self._splits: dict[str, _Split] = {}
@@ -181,10 +181,13 @@ class SharedWordTokenizer(WordTokenizer):
         except Exception:
             self._unsplittable.add(text)
             return None
-        tokens = [token.text for token in doc]
+        attributes = doc.to_array(self._attributes)
+        # A token's text is its slice of the text (spaCy's tokens are never rewritten): slicing by the
+        # offsets costs a third of making each Token object to ask for its text.
+        tokens = [text[start : start + length] for start, length in attributes[:, :2].tolist()]
         # datatrove's strip_strings, with one strip per token
         self._words[text] = [word for token in tokens if (word := token.strip())]
-        split = self._splits[text] = _Split(tokens, doc.to_array(self._attributes))
+        split = self._splits[text] = _Split(tokens, attributes)
         self.splits += 1
         self.split_seconds += time.process_time() - started
         return split
