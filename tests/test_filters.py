@@ -181,6 +181,54 @@ def test_language_features_match_py3langid_on_any_text(text):
     _assert_same_language_features(text)
 
 
+@pytest.mark.slow  # the default suite's 15-minute budget; make test-slow runs it
+def test_py3langids_automaton_is_aho_corasick_over_at_most_six_bytes():
+    """What the numpy walk rests on, checked on every transition of the shipped model: a state stands
+    for its n-gram (the shortest input that reaches it), and each transition goes to the longest suffix
+    of that n-gram plus the byte that is itself a state's n-gram. Then the state after a text is the
+    longest suffix of the text that is a state's n-gram, which is never longer than the deepest state:
+    the bytes before the last `window` do not matter."""
+    from tokenmill.filters.language import _automaton_depth
+
+    model = _py3langid().ours
+    transitions = np.asarray(model.tk_nextmove).astype(np.int64)
+    row_offsets = np.asarray(model.tk_row, dtype=np.int64) << 8
+    states = len(row_offsets)
+    window = _automaton_depth(transitions, row_offsets)
+    assert window == model._window == 6
+    # Each state's n-gram, breadth first: value (big-endian bytes) and length.
+    value = np.full(states, -1, dtype=np.int64)
+    length = np.full(states, -1, dtype=np.int64)
+    value[0] = length[0] = 0
+    frontier = np.zeros(1, dtype=np.int64)
+    every_byte = np.arange(256, dtype=np.int64)
+    while frontier.size:
+        targets = transitions[row_offsets[frontier][:, None] + every_byte]
+        parents = np.broadcast_to(frontier[:, None], targets.shape).ravel()
+        symbols = np.broadcast_to(every_byte, targets.shape).ravel()
+        targets = targets.ravel()
+        new = length[targets] < 0
+        targets, first = np.unique(targets[new], return_index=True)
+        value[targets] = value[parents[new][first]] * 256 + symbols[new][first]
+        length[targets] = length[parents[new][first]] + 1
+        frontier = targets
+    assert (length >= 0).all() and length.max() == window
+    keys = value * 8 + length  # one n-gram, one key
+    order = np.argsort(keys)
+    sorted_keys = keys[order]
+    assert (np.diff(sorted_keys) > 0).all()  # no two states stand for one n-gram
+    for byte in range(256):
+        extended = value * 256 + byte
+        expected = np.full(states, -1, dtype=np.int64)
+        for size in range(window + 1, -1, -1):  # the longest suffix that is a state's n-gram wins
+            candidate = (extended % (256**size)) * 8 + size
+            fits = (length + 1 >= size) & (expected < 0)
+            position = np.minimum(np.searchsorted(sorted_keys, candidate), states - 1)
+            found = fits & (sorted_keys[position] == candidate)
+            expected[found] = order[position[found]]
+        assert (transitions[row_offsets + byte] == expected).all(), byte
+
+
 def test_recipe_errors_name_the_file_and_the_problem(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("name: r\nstages:\n  - not_a_stage: {}\n")
