@@ -76,9 +76,10 @@ def make_corpus(directory: Path, documents: int, seed: int = 11) -> dict[str, in
     rng = random.Random(seed)
     words_rng = np.random.default_rng(seed)
     sentences = [s.strip() + "." for p in sample.prose_paragraphs() for s in p.split(". ") if len(s) > 40]
-    vocabulary = sorted({word for s in sentences for word in s.split() if word.isalpha()})
+    vocabulary = np.array(
+        sorted({word for s in sentences for word in s.split() if word.isalpha()}), dtype=object
+    )
     sentence_words = [sentence.split() for sentence in sentences]
-    vocabulary_words = np.array(vocabulary, dtype=object)
     boilerplate = "\n".join(rng.choice(sentences) for _ in range(40))
     records: list[dict] = []
     planted = {"exact_copies": 0, "near_duplicates": 0, "hot_key_copies": 0, "chain": 0}
@@ -92,7 +93,7 @@ def make_corpus(directory: Path, documents: int, seed: int = 11) -> dict[str, in
             text = sample.near_duplicate(rng, rng.choice(records)["text"], 0.03)
             planted["near_duplicates"] += 1
         else:
-            text = _prose(words_rng, sentence_words, vocabulary_words)
+            text = _prose(words_rng, sentence_words, vocabulary)
         records.append({"id": f"d{number:08d}", "text": text})
     # A hot key: one boilerplate page copied 1,000 times; a near-duplicate chain of 200 links.
     for index in rng.sample(range(documents), min(1000, documents // 10)):

@@ -77,14 +77,14 @@ def _deterministic_identifier():
             self._window = _automaton_depth(self._transitions, self._row_offsets)
             self._log1p = np.array([math.log1p(count) for count in range(1 << 16)], dtype=np.float64)
 
-        def _raw_score(self, text: bytes):
+        def _raw_score(self, text: bytes) -> np.ndarray:
             features = self._features(text)
             if features.size == 0:
                 fill = 0.0 if self._norm_probs else RAW_FLOOR
                 return np.full(len(self.nb_classes), fill, dtype=np.float32)
             present, first, counts = np.unique(features, return_index=True, return_counts=True)
             order = np.argsort(first, kind="stable")
-            return self._score(present[order], counts[order], self.nb_ptc)
+            return self._score(present[order], counts[order])
 
         def _features(self, text: bytes) -> np.ndarray:
             """The feature of every position that emits one, in text order (py3langid's `visit_counts`)."""
@@ -98,12 +98,12 @@ def _deterministic_identifier():
             features = self._outputs[states]
             return features[features >= 0]
 
-        def _score(self, features: np.ndarray, counts: np.ndarray, table: np.ndarray) -> np.ndarray:
+        def _score(self, features: np.ndarray, counts: np.ndarray) -> np.ndarray:
             if counts.max() < len(self._log1p):
                 weights = self._log1p[counts]
             else:
                 weights = np.array([math.log1p(count) for count in counts.tolist()], dtype=np.float64)
-            rows = table[features].astype(np.float64)
+            rows = self.nb_ptc[features].astype(np.float64)
             rows *= weights[:, None]
             return rows.sum(axis=0) + self.nb_pc
 
@@ -114,7 +114,7 @@ def _automaton_depth(transitions: np.ndarray, row_offsets: np.ndarray) -> int:
     """How many bytes decide the automaton's state: the depth of its deepest state, breadth first from
     the start (in an Aho-Corasick automaton the shortest input that reaches a state is the state's own
     n-gram). States share transition rows, so each level reads the rows of its states once. py3langid's
-    model: 6, over 104,583 states and 38,346 rows, in about 0.1 s."""
+    model: 6, over 104,583 states and 38,346 rows, in about 0.3 s."""
     seen = np.zeros(len(row_offsets), dtype=bool)
     seen[0] = True
     frontier = np.zeros(1, dtype=np.int64)

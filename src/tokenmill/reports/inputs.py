@@ -262,7 +262,8 @@ def scan_cell(
                 table = parquet.read(
                     columns=list(dict.fromkeys(columns + sample_columns + extra)), use_threads=False
                 )
-                scan.samples.extend(_as_rows(table.take(pa.array(local, type=pa.int64())), SAMPLE_COLUMNS))
+                sampled = table.select(sample_columns).take(pa.array(local, type=pa.int64()))
+                scan.samples.extend(_as_rows(sampled, SAMPLE_COLUMNS))
             else:
                 table = parquet.read(columns=columns + extra, use_threads=False)
                 scan.samples.extend(_file_rows(parquet, local, SAMPLE_COLUMNS))
