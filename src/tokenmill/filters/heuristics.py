@@ -1,5 +1,9 @@
 """datatrove's heuristic filters (Gopher quality, Gopher repetition, C4, FineWeb quality), used as they are.
 
+One exception, which changes no answer: with the shared split, Gopher repetition's n-gram counts come
+from `tokenmill.filters.repetition` (datatrove's numbers at two fifths of their cost; its paragraph and
+line checks, thresholds and reasons stay datatrove's own code).
+
 Each filter runs as its own step over a batch; a document is judged through one `datatrove.data.Document`
 per step, its text and id set afresh for every document: C4's filter rewrites the text it is given (it
 drops lines), and that rewrite must not leak into the next filter or into what is kept. Filters decide;
@@ -305,7 +309,12 @@ class HeuristicFilter(DocumentStep):
         if self.shared_words:
             self._words = shared_word_tokenizer(self.language)
             language = self._words
-        self._filter = datatrove_filter_class(self.kind)(language=language, **self.params)
+        filter_class = datatrove_filter_class(self.kind)
+        if self.shared_words and self.kind == "gopher_repetition":
+            from tokenmill.filters.repetition import GopherRepetition
+
+            filter_class = GopherRepetition  # datatrove's, its n-gram counts made cheaper (same answers)
+        self._filter = filter_class(language=language, **self.params)
 
     def warm_up_calls(self) -> list[tuple[str, tuple[str, ...]]]:
         calls = [("tokenmill.filters.heuristics:datatrove_filter_class", (self.kind,))]
