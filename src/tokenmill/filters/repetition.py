@@ -22,7 +22,7 @@ The tests hold every answer to datatrove's functions, on the sample and on adver
 
 Measured on the curate bench's documents (190 words on average): 0.11 ms a document for the top n-grams
 against datatrove's 0.32 ms, 0.18 ms for the repeated ones against 0.39 ms. Memory: the document's
-n-grams of one size at a time, as datatrove's.
+n-grams of one size at a time, as datatrove's, and a 12-character slice per word.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from datatrove.pipeline.filters.gopher_repetition_filter import (
 from datatrove.utils.text import split_into_words
 
 #: Characters of the joined words that tell, in one pass for all n-gram sizes, which positions may
-#: start a repeated n-gram (`WordNgrams._may_repeat`).
+#: start a repeated n-gram (`WordNgrams._repeat_candidates`).
 PREFIX_CHARS = 12
 
 
@@ -53,7 +53,7 @@ class WordNgrams:
         self._joined = "".join(self.words)
         self._spaceless = " " not in self._joined
         self._word_starts: list[int] | None = None
-        self._suspects: tuple[int, list[int]] | None = None  # (n, positions) of _may_repeat
+        self._candidates: tuple[int, list[int]] | None = None  # (n, _repeat_candidates(n))
 
     def top_duplicate_chars(self, n: int) -> int | None:
         """`find_top_duplicate(get_n_grams(words, n))`; None where there is no n-gram (datatrove skips n)."""
@@ -67,8 +67,8 @@ class WordNgrams:
 
     def duplicated_chars(self, n: int) -> int:
         """`find_all_duplicate(words, n)`: characters of the n-grams its greedy walk finds repeated."""
-        if self._suspects is None or n < self._suspects[0]:
-            self._suspects = (n, self._may_repeat(n))
+        if self._candidates is None or n < self._candidates[0]:
+            self._candidates = (n, self._repeat_candidates(n))
         joined, starts = self._joined, self._word_starts
         last = len(self.words) - n  # the last position an n-gram starts at
         # datatrove's walk (a repeat adds its characters and skips n positions, a first sighting is kept),
@@ -77,7 +77,7 @@ class WordNgrams:
         seen: set[str] = set()
         repeated = 0
         resume = 0
-        for position in self._suspects[1]:
+        for position in self._candidates[1]:
             if position > last:
                 break
             if position < resume:
@@ -90,7 +90,7 @@ class WordNgrams:
                 seen.add(gram)
         return repeated
 
-    def _may_repeat(self, n: int) -> list[int]:
+    def _repeat_candidates(self, n: int) -> list[int]:
         """The positions whose m-gram, for any m >= n, may equal another position's (ascending).
 
         Two equal m-grams have one length, at least that of either's n-gram. Where that is PREFIX_CHARS
@@ -117,7 +117,8 @@ class GopherRepetition(GopherRepetitionFilter):
     """datatrove's GopherRepetitionFilter with its n-gram checks counted by `WordNgrams`.
 
     datatrove's own `filter` runs the paragraph and line checks (it is given no n-gram checks), then the
-    n-gram checks follow, with the thresholds, order and reasons datatrove's would use.
+    n-gram checks follow, with the thresholds, order and reasons datatrove's would use. Both ask for the
+    document's words: give it a word tokenizer that keeps them (`SharedWordTokenizer`), as curate does.
     """
 
     def __init__(
