@@ -297,6 +297,13 @@ def whole_run_profile(input_dir: Path, output: Path, workers: int, files: int) -
         f"  whole run under cProfile ({len(inputs)} files, {elapsed:.0f}s; the profiler slows Python code "
         f"several times, so read the shares): {len(launcher)} launcher, {len(workers_)} worker processes"
     ]
+    # Each worker and the template they are forked from; one worker runs inside the launcher.
+    expected = workers + 1 if workers >= 2 else 0
+    if len(workers_) < expected:
+        lines.append(
+            f"  (profiles of {expected - len(workers_)} of {expected} worker processes are missing: the "
+            "workers' split below is partial)"
+        )
     for label, group in (("launcher", launcher), ("workers", workers_)):
         totals: dict[str, float] = {}
         for stats in group:

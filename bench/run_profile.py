@@ -3,7 +3,7 @@
 `profiled_env(folder)` gives a subprocess an environment in which every Python process it starts (the
 launcher and Beam's SDK worker processes, which inherit it) profiles all of its threads with cProfile, in
 CPU time per thread (a thread waiting on a queue costs nothing), and writes `folder/<pid>.prof` every
-couple of seconds and at exit (a worker may be stopped without running its exit handlers).
+couple of seconds and at exit (its exit handlers, or `os._exit`, which a worker ends with).
 It works through a `sitecustomize` module on PYTHONPATH, so nothing in tokenmill
 knows about it. `load(folder)` reads the profiles back; `mechanisms()` splits self time into what does
 the work (word splitting, datatrove's rules, ...) and what carries it (executor and serialisation, I/O),
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 PROFILE_DIR = "TOKENMILL_PROFILE_DIR"
+_EXIT = os._exit
 DUMP_EVERY_SECONDS = 2.0
 
 #: (bucket, needles in "file:function"): the first bucket with a matching needle takes a function's time.
@@ -98,6 +99,7 @@ def start_if_asked() -> None:
 
     def restart_in_child() -> None:
         sys.setprofile(None)  # the parent's profile of the forking thread: its time is the parent's
+        os._exit = _EXIT  # not the parent's last dump, which would write the parent's file
         _start_profiling(Path(folder))
 
     os.register_at_fork(after_in_child=restart_in_child)
@@ -140,6 +142,19 @@ def _start_profiling(folder: Path) -> None:
                 continue
 
     threading.Thread(target=dump_periodically, daemon=True, name="profile-dump").start()
+
+    def dump_then_exit(status: int) -> None:
+        # Workers (and the launcher, after its exit handlers) end with os._exit: the last dump is taken
+        # here rather than left to the thread's last round, which a worker's end may cut off.
+        for _attempt in range(3):
+            try:
+                dump()
+                break
+            except Exception:  # a profile that changed while it was read (another thread): read again
+                continue
+        _EXIT(status)
+
+    os._exit = dump_then_exit
 
     def start_thread_profile(*_args) -> None:
         sys.setprofile(None)
